@@ -1,0 +1,25 @@
+"""hvd_spark: Horovod-style distributed deep learning on Apache Spark, in pure Python.
+
+``hvd_spark.run`` and ``hvd_spark.run_local`` are imported lazily so that importing
+the package costs nothing and pulls in no framework.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "run", "run_local"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "run_local":
+        from hvd_spark.runner.local_launcher import run_local
+
+        return run_local
+    if name == "run":
+        from hvd_spark.runner.api import run
+
+        return run
+    raise AttributeError(f"module 'hvd_spark' has no attribute {name!r}")

@@ -1,0 +1,84 @@
+"""A list of arrays seen as one flat array, so fused tensors need no fusion copy.
+
+The ring algorithms address element ranges of a ``SegmentedBuffer``; each range
+maps back to views of the caller's own arrays, which are reduced in place.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+
+class SegmentedBuffer:
+    """Several 1-D contiguous arrays of one dtype addressed as one virtual array.
+
+    Args:
+        pieces: 1-D C-contiguous arrays, all of the same dtype.
+    """
+
+    def __init__(self, pieces: Sequence[np.ndarray]) -> None:
+        if not pieces:
+            raise ValueError("a SegmentedBuffer needs at least one piece")
+        self.dtype = pieces[0].dtype
+        for piece in pieces:
+            if piece.dtype != self.dtype or piece.ndim != 1 or not piece.flags.c_contiguous:
+                raise ValueError("pieces must be 1-D contiguous arrays of one dtype")
+        self.pieces = [p for p in pieces if p.size]
+        self._starts = [0]
+        for piece in self.pieces:
+            self._starts.append(self._starts[-1] + piece.size)
+        self.size = self._starts[-1]
+        self.itemsize = self.dtype.itemsize
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> SegmentedBuffer:
+        """Wrap one contiguous array of any shape."""
+        return cls([array.reshape(-1)])
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of all pieces."""
+        return self.size * self.itemsize
+
+    def views(self, start: int, stop: int) -> list[np.ndarray]:
+        """Views of the caller's arrays covering elements ``[start, stop)``."""
+        if start >= stop:
+            return []
+        out = []
+        i = bisect.bisect_right(self._starts, start) - 1
+        while start < stop:
+            piece, base = self.pieces[i], self._starts[i]
+            end = min(stop, base + piece.size)
+            out.append(piece[start - base : end - base])
+            start = end
+            i += 1
+        return out
+
+    def chunks(self, start: int, stop: int, chunk_bytes: int) -> Iterator[list[np.ndarray]]:
+        """Yield view lists for ``[start, stop)`` cut into chunks of at most ``chunk_bytes``."""
+        step = max(1, chunk_bytes // self.itemsize)
+        for lo in range(start, stop, step):
+            yield self.views(lo, min(stop, lo + step))
+
+
+def even_counts(total: int, parts: int) -> list[int]:
+    """Split ``total`` into ``parts`` counts differing by at most one, larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def offsets(counts: Sequence[int]) -> list[int]:
+    """Exclusive prefix sums: where each count's range starts."""
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def nbytes_of(views: Sequence[np.ndarray]) -> int:
+    """Total bytes of a view list."""
+    return sum(v.nbytes for v in views)

@@ -1,0 +1,61 @@
+"""The contract every backend fulfils: buffer collectives among a fixed set of ranks.
+
+The engine (negotiation, fusion, handles, object collectives) sits on top and is
+shared by all backends; a backend only moves and reduces bytes. Every method is
+called by all ranks in the same order with agreeing arguments: the engine
+guarantees that before it calls.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import numpy as np
+
+from hvd_spark.collectives import ops
+from hvd_spark.collectives.buffers import SegmentedBuffer
+
+
+class Communicator(abc.ABC):
+    """Buffer collectives among ``size`` ranks.
+
+    Attributes:
+        rank: This process's rank.
+        size: Number of ranks.
+        name: Backend name, for messages and benchmarks.
+    """
+
+    rank: int
+    size: int
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp) -> None:
+        """Reduce ``buf`` element-wise across ranks, in place (Average is summed)."""
+
+    @abc.abstractmethod
+    def reducescatter(self, buf: SegmentedBuffer, op: ops.ReduceOp, counts: Sequence[int]) -> None:
+        """Reduce so that elements of segment ``rank`` (sizes ``counts``) hold the result."""
+
+    @abc.abstractmethod
+    def allgather(self, buf: SegmentedBuffer, counts: Sequence[int]) -> None:
+        """Given this rank's segment of ``buf`` filled (sizes ``counts``), fill all segments."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf: SegmentedBuffer, root: int) -> None:
+        """Overwrite ``buf`` on every rank with root's contents."""
+
+    @abc.abstractmethod
+    def alltoall(
+        self,
+        send: np.ndarray,
+        send_counts: Sequence[int],
+        recv: np.ndarray,
+        recv_counts: Sequence[int],
+    ) -> None:
+        """Send block j of ``send`` to rank j; receive rank j's block for us into ``recv``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections; peers blocked on us fail promptly."""

@@ -1,0 +1,180 @@
+"""How each negotiated collective runs on a backend once every rank agreed on it.
+
+An ``Entry`` is one rank's half of an operation: its request, its handle, the
+contiguous array the backend works on, and what turns that array into the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hvd_spark.collectives import messages as m
+from hvd_spark.collectives import ops
+from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts
+from hvd_spark.collectives.communicator import Communicator
+from hvd_spark.collectives.messages import Request, Response
+from hvd_spark.errors import CollectiveError, CollectiveTimeoutError
+
+# Tensors below this many bytes are packed into one buffer when fused: one numpy
+# call per tiny tensor per ring chunk would cost more than the copy.
+_PACK_BELOW_BYTES = 64 * 1024
+
+
+class Handle:
+    """The pending result of an asynchronous collective."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the operation finished (successfully or not)."""
+        return self._event.is_set()
+
+    def set_result(self, result: Any) -> None:
+        """Complete with a result (engine side)."""
+        self._result = result
+        self._event.set()
+
+    def set_error(self, error: BaseException) -> None:
+        """Complete with an error (engine side)."""
+        self._error = error
+        self._event.set()
+
+    def wait(self, timeout: float) -> Any:
+        """Block until done, at most ``timeout`` s; return the result or raise its error."""
+        if not self._event.wait(timeout):
+            raise CollectiveTimeoutError(
+                f"collective {self.name!r} did not complete within {timeout} s; some rank may "
+                "not have called it (check names and call order), or raise HVD_SPARK_TIMEOUT"
+            )
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    """One rank's part of a collective.
+
+    Attributes:
+        request: What this rank asked for.
+        handle: Completed when the operation finishes.
+        array: Contiguous array the backend reads and writes.
+        finish: Turns the final working array into the handle's result.
+        submitted: ``time.monotonic()`` at submission.
+    """
+
+    request: Request
+    handle: Handle
+    array: np.ndarray
+    finish: Callable[[np.ndarray], Any] = lambda a: a
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
+
+
+def _finish_reduction(arr: np.ndarray, request: Request, size: int) -> None:
+    if request.op == ops.ReduceOp.Average:
+        ops.finish_average(arr, size)
+    ops.scale_in_place(arr, request.postscale)
+
+
+def run_allreduce(comm: Communicator, entries: list[Entry]) -> list[Any]:
+    """One (possibly fused) allreduce over all entries' arrays, in place."""
+    small = [e for e in entries if e.array.nbytes < _PACK_BELOW_BYTES]
+    packed = None
+    pieces = [e.array.reshape(-1) for e in entries if e.array.nbytes >= _PACK_BELOW_BYTES]
+    if len(small) > 1:
+        packed = np.concatenate([e.array.reshape(-1) for e in small])
+        pieces.append(packed)
+    else:
+        pieces += [e.array.reshape(-1) for e in small]
+    comm.allreduce(SegmentedBuffer(pieces), ops.ReduceOp(entries[0].request.op))
+    if packed is not None:
+        offset = 0
+        for e in small:
+            flat = e.array.reshape(-1)
+            flat[...] = packed[offset : offset + flat.size]
+            offset += flat.size
+    results = []
+    for e in entries:
+        _finish_reduction(e.array, e.request, comm.size)
+        results.append(e.finish(e.array))
+    return results
+
+
+def run_allgather(comm: Communicator, entry: Entry, response: Response) -> Any:
+    """Concatenate every rank's tensor along dim 0 (first dims may differ)."""
+    first_dims = response.first_dims or ()
+    row = math.prod(entry.array.shape[1:])
+    out = np.empty((sum(first_dims),) + entry.array.shape[1:], entry.array.dtype)
+    counts = [d * row for d in first_dims]
+    start = sum(counts[: comm.rank])
+    flat = out.reshape(-1)
+    flat[start : start + counts[comm.rank]] = entry.array.reshape(-1)
+    comm.allgather(SegmentedBuffer([flat]), counts)
+    return entry.finish(out)
+
+
+def run_broadcast(comm: Communicator, entry: Entry) -> Any:
+    """Overwrite the working array with the root's."""
+    comm.broadcast(SegmentedBuffer.of(entry.array), entry.request.root)
+    return entry.finish(entry.array)
+
+
+def run_alltoall(comm: Communicator, entry: Entry, response: Response) -> Any:
+    """Exchange row blocks; the result is ``(tensor, received_splits)``."""
+    splits = response.splits or ()
+    row = math.prod(entry.array.shape[1:])
+    send_counts = [s * row for s in splits[comm.rank]]
+    recv_rows = [splits[src][comm.rank] for src in range(comm.size)]
+    out = np.empty((sum(recv_rows),) + entry.array.shape[1:], entry.array.dtype)
+    comm.alltoall(
+        entry.array.reshape(-1), send_counts, out.reshape(-1), [r * row for r in recv_rows]
+    )
+    return entry.finish(out), np.asarray(recv_rows, dtype=np.int64)
+
+
+def reducescatter_rows(rows: int, size: int) -> list[int]:
+    """Rows each rank receives from reducescatter: even, the first ranks take the extra."""
+    return even_counts(rows, size)
+
+
+def run_reducescatter(comm: Communicator, entry: Entry) -> Any:
+    """Reduce, then keep this rank's block of rows."""
+    arr = entry.array
+    row = math.prod(arr.shape[1:])
+    rows = reducescatter_rows(arr.shape[0], comm.size)
+    counts = [r * row for r in rows]
+    comm.reducescatter(SegmentedBuffer.of(arr), ops.ReduceOp(entry.request.op), counts)
+    start = sum(rows[: comm.rank])
+    mine = arr[start : start + rows[comm.rank]].copy()
+    _finish_reduction(mine, entry.request, comm.size)
+    return entry.finish(mine)
+
+
+def execute(comm: Communicator, response: Response, entries: list[Entry]) -> list[Any]:
+    """Run one agreed response; return one result per entry, in order."""
+    kind = response.kind
+    if kind == m.ALLREDUCE:
+        return run_allreduce(comm, entries)
+    if kind == m.BARRIER:
+        return [None]
+    (entry,) = entries
+    if kind == m.ALLGATHER:
+        return [run_allgather(comm, entry, response)]
+    if kind == m.BROADCAST:
+        return [run_broadcast(comm, entry)]
+    if kind == m.ALLTOALL:
+        return [run_alltoall(comm, entry, response)]
+    if kind == m.REDUCESCATTER:
+        return [run_reducescatter(comm, entry)]
+    raise CollectiveError(f"unknown collective kind {kind!r}")

@@ -1,0 +1,1 @@
+"""The package's own TCP transport: authenticated wire, rendezvous store, ring, shm."""

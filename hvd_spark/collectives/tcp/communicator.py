@@ -1,0 +1,97 @@
+"""The default CPU backend: ring collectives over TCP, shared memory on one host."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+
+import numpy as np
+
+from hvd_spark.collectives import ops
+from hvd_spark.collectives.buffers import SegmentedBuffer
+from hvd_spark.collectives.communicator import Communicator
+from hvd_spark.collectives.tcp import ring
+from hvd_spark.collectives.tcp.links import Link, TcpLink
+from hvd_spark.collectives.tcp.shm import negotiate_shm
+
+log = logging.getLogger(__name__)
+
+
+class TcpCommunicator(Communicator):
+    """Ring collectives over per-peer links.
+
+    Args:
+        rank, size: This rank and the world size.
+        data_socks: Peer rank -> authenticated data socket, for every other rank.
+        chunk_bytes: Pipelining chunk (and shared-memory slot) size.
+        use_shm: Try shared memory with the ring neighbours.
+    """
+
+    name = "tcp"
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        data_socks: dict[int, socket.socket],
+        chunk_bytes: int,
+        use_shm: bool = True,
+    ) -> None:
+        self.rank, self.size = rank, size
+        self.chunk_bytes = chunk_bytes
+        self.links: dict[int, Link] = {}
+        self.left_rank = (rank - 1) % size
+        self.right_rank = (rank + 1) % size
+        neighbours = {self.left_rank, self.right_rank} - {rank}
+        # Negotiate in ascending peer order on both sides of every pair: no deadlock.
+        for peer in sorted(data_socks):
+            sock = data_socks[peer]
+            link = negotiate_shm(sock, peer, chunk_bytes) if use_shm and peer in neighbours else None
+            self.links[peer] = link if link is not None else TcpLink(sock, peer)
+        self.shm_peers = sorted(p for p, link in self.links.items() if not isinstance(link, TcpLink))
+        if size > 1:
+            self.left, self.right = self.links[self.left_rank], self.links[self.right_rank]
+
+    def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp) -> None:
+        ring.allreduce(buf, op, self.rank, self.size, self.left, self.right, self.chunk_bytes)
+
+    def reducescatter(self, buf: SegmentedBuffer, op: ops.ReduceOp, counts: Sequence[int]) -> None:
+        if self.size > 1:
+            ring.reduce_scatter(
+                buf, op, self.rank, self.size, self.left, self.right, self.chunk_bytes, counts
+            )
+
+    def allgather(self, buf: SegmentedBuffer, counts: Sequence[int]) -> None:
+        if self.size > 1:
+            segs = ring.segments_of(counts)
+            ring.all_gather_segments(
+                buf, segs, self.rank, self.size, self.left, self.right, self.chunk_bytes
+            )
+
+    def broadcast(self, buf: SegmentedBuffer, root: int) -> None:
+        if self.size > 1:
+            ring.broadcast(buf, root, self.rank, self.size, self.left, self.right, self.chunk_bytes)
+
+    def alltoall(
+        self,
+        send: np.ndarray,
+        send_counts: Sequence[int],
+        recv: np.ndarray,
+        recv_counts: Sequence[int],
+    ) -> None:
+        ring.alltoall(
+            send, send_counts, recv, recv_counts, self.rank, self.size, self.links, self.chunk_bytes
+        )
+
+    def close(self) -> None:
+        for link in self.links.values():
+            try:
+                link.close()
+            except OSError:
+                pass
+
+
+def create(world, config, data_socks: dict[int, socket.socket]) -> TcpCommunicator:
+    """Registry factory: a TcpCommunicator over the mesh's data sockets."""
+    return TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm)

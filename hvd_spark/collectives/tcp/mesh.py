@@ -1,0 +1,146 @@
+"""Connecting the ranks: every pair gets an authenticated data socket, and every
+rank a control socket to the coordinator (rank 0).
+
+Each rank listens, publishes its address in the rendezvous store, dials the
+ranks below it and accepts the ranks above it. A connection that fails the
+handshake is dropped and counted; the formation goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+
+from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp.store import StoreClient
+from hvd_spark.errors import AuthenticationError, HvdSparkError, RendezvousTimeoutError
+
+log = logging.getLogger(__name__)
+
+DATA = "data"
+CONTROL = "ctrl"
+
+
+@dataclasses.dataclass
+class Mesh:
+    """The sockets of one rank after formation.
+
+    Attributes:
+        data: Peer rank -> data socket (every other rank).
+        control: Peer rank -> control socket (rank 0: all others; others: {0: sock}).
+        hosts: Rank -> hostname as each rank reported it.
+        rejected: Connections dropped for failing authentication.
+    """
+
+    data: dict[int, socket.socket]
+    control: dict[int, socket.socket]
+    hosts: dict[int, str]
+    rejected: int = 0
+
+
+class _Acceptor:
+    """Accepts and authenticates the connections a rank expects, in the background."""
+
+    def __init__(self, listener: socket.socket, secret: bytes, expected: set[tuple[str, int]]):
+        self._listener = listener
+        self._secret = secret
+        self._expected = expected
+        self.accepted: dict[tuple[str, int], socket.socket] = {}
+        self.rejected = 0
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="hvd-accept", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(conn, peer), daemon=True).start()
+
+    def _handshake(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            wire.tune(conn)
+            wire.authenticate_server(conn, self._secret)
+            conn.settimeout(wire.HANDSHAKE_TIMEOUT_S)
+            purpose, rank = wire.recv_obj(conn, "connecting rank")
+        except (AuthenticationError, HvdSparkError, OSError) as exc:
+            log.warning("dropped a connection from %s: %s", peer[0], exc)
+            with self._cond:
+                self.rejected += 1
+            conn.close()
+            return
+        with self._cond:
+            if (purpose, rank) not in self._expected or (purpose, rank) in self.accepted:
+                conn.close()
+                return
+            self.accepted[(purpose, rank)] = conn
+            self._cond.notify_all()
+
+    def wait(self, deadline: float) -> None:
+        with self._cond:
+            while len(self.accepted) < len(self._expected):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(self._expected - set(self.accepted))
+                    raise RendezvousTimeoutError(
+                        f"ranks {[r for _, r in missing]} did not connect in time; "
+                        "they may have failed to start (see their logs) or a firewall blocks them"
+                    )
+                self._cond.wait(min(left, 1.0))
+
+
+def build_mesh(
+    rank: int,
+    size: int,
+    store: StoreClient,
+    secret: bytes,
+    hostname: str,
+    advertise_addr: str,
+    timeout: float,
+    epoch: int = 0,
+) -> Mesh:
+    """Form the full mesh for this rank; blocks until all its sockets are connected.
+
+    Args:
+        rank, size: This rank and the world size.
+        store: Client of the launcher's rendezvous store.
+        secret: Job secret for every handshake.
+        hostname: Reported to peers to group ranks by host.
+        advertise_addr: Address peers dial; empty: our address as the store sees it.
+        timeout: Seconds to wait for all peers.
+        epoch: Distinguishes repeated ``init()`` calls in one job.
+    """
+    addr = advertise_addr or store.local_address
+    listener = socket.create_server((addr, 0), backlog=max(16, 2 * size))
+    expected = {(DATA, r) for r in range(rank + 1, size)}
+    if rank == 0:
+        expected |= {(CONTROL, r) for r in range(1, size)}
+    acceptor = _Acceptor(listener, secret, expected)
+    deadline = time.monotonic() + timeout
+    try:
+        store.set(f"mesh/{epoch}/{rank}", (addr, listener.getsockname()[1], hostname))
+        peers = {r: store.get(f"mesh/{epoch}/{r}", timeout) for r in range(size) if r != rank}
+        data: dict[int, socket.socket] = {}
+        control: dict[int, socket.socket] = {}
+        dials = [(DATA, r) for r in range(rank)] + ([(CONTROL, 0)] if rank > 0 else [])
+        for purpose, peer in dials:
+            host, port, _ = peers[peer]
+            left = max(1.0, deadline - time.monotonic())
+            sock = wire.connect((host, port), secret, left, f"rank {peer}")
+            wire.send_obj(sock, (purpose, rank), f"rank {peer}")
+            (data if purpose == DATA else control)[peer] = sock
+        acceptor.wait(deadline)
+        for (purpose, peer), sock in acceptor.accepted.items():
+            (data if purpose == DATA else control)[peer] = sock
+    finally:
+        listener.close()
+    for sock in [*data.values(), *control.values()]:
+        sock.settimeout(timeout)
+    hosts = {r: info[2] for r, info in peers.items()}
+    hosts[rank] = hostname
+    return Mesh(data=data, control=control, hosts=hosts, rejected=acceptor.rejected)

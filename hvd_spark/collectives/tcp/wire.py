@@ -1,0 +1,180 @@
+"""Authenticated sockets: mutual HMAC handshake, length-prefixed frames, deadlines.
+
+Every connection proves it knows the job secret before a byte it sends is used.
+After the handshake the connection is trusted, so control frames may carry pickles;
+nothing is unpickled from a connection that has not passed ``authenticate_*``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pickle
+import socket
+import struct
+import time
+from typing import Any
+
+from hvd_spark.errors import AuthenticationError, CollectiveTimeoutError, PeerDisconnectedError
+
+_MAGIC = b"HVDSPRK1"
+_NONCE_BYTES = 16
+_DIGEST = hashlib.sha256
+_MAC_BYTES = _DIGEST().digest_size
+_LEN = struct.Struct("<Q")
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_FRAME_BYTES = 1 << 34
+
+
+def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, role + b"".join(parts), _DIGEST).digest()
+
+
+def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer") -> bytes:
+    """Read exactly ``nbytes`` or raise PeerDisconnectedError/CollectiveTimeoutError."""
+    buf = bytearray(nbytes)
+    recv_into_exact(sock, memoryview(buf), what)
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview, what: str = "peer") -> None:
+    """Fill ``view`` from the socket; the socket's own timeout is the deadline."""
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    got, total = 0, len(view)
+    try:
+        while got < total:
+            n = sock.recv_into(view[got:], total - got)
+            if n == 0:
+                raise PeerDisconnectedError(f"{what} closed the connection")
+            got += n
+    except TimeoutError:
+        raise CollectiveTimeoutError(
+            f"no data from {what} within {sock.gettimeout()} s; it may be stalled or dead "
+            "(raise HVD_SPARK_TIMEOUT if it is just slow)"
+        ) from None
+    except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as exc:
+        raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview, what: str = "peer") -> None:
+    """Send everything or raise PeerDisconnectedError/CollectiveTimeoutError."""
+    try:
+        sock.sendall(data)
+    except TimeoutError:
+        raise CollectiveTimeoutError(
+            f"could not send to {what} within {sock.gettimeout()} s; it may be stalled"
+        ) from None
+    except OSError as exc:
+        raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+
+
+def authenticate_client(sock: socket.socket, secret: bytes) -> None:
+    """Run the dialer's side of the mutual HMAC handshake.
+
+    Raises:
+        AuthenticationError: The server did not prove it knows the secret.
+    """
+    previous = sock.gettimeout()
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    try:
+        client_nonce = os.urandom(_NONCE_BYTES)
+        send_all(sock, _MAGIC + client_nonce, "server")
+        reply = recv_exact(sock, _NONCE_BYTES + _MAC_BYTES, "server")
+        server_nonce, server_mac = reply[:_NONCE_BYTES], reply[_NONCE_BYTES:]
+        if not hmac.compare_digest(server_mac, _mac(secret, b"S", client_nonce, server_nonce)):
+            raise AuthenticationError(
+                "the server did not prove it knows this job's secret; "
+                "check that HVD_SPARK_SECRET matches the launcher's"
+            )
+        send_all(sock, _mac(secret, b"C", server_nonce, client_nonce), "server")
+    finally:
+        sock.settimeout(previous)
+
+
+def authenticate_server(sock: socket.socket, secret: bytes) -> None:
+    """Run the listener's side of the handshake; raise AuthenticationError on any doubt."""
+    previous = sock.gettimeout()
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    try:
+        hello = recv_exact(sock, len(_MAGIC) + _NONCE_BYTES, "client")
+        if hello[: len(_MAGIC)] != _MAGIC:
+            raise AuthenticationError("client did not speak the hvd_spark protocol")
+        client_nonce = hello[len(_MAGIC) :]
+        server_nonce = os.urandom(_NONCE_BYTES)
+        send_all(sock, server_nonce + _mac(secret, b"S", client_nonce, server_nonce), "client")
+        proof = recv_exact(sock, _MAC_BYTES, "client")
+        if not hmac.compare_digest(proof, _mac(secret, b"C", server_nonce, client_nonce)):
+            raise AuthenticationError("client did not prove it knows this job's secret")
+    except (PeerDisconnectedError, CollectiveTimeoutError) as exc:
+        raise AuthenticationError(f"handshake with client failed: {exc}") from None
+    finally:
+        sock.settimeout(previous)
+
+
+def tune(sock: socket.socket) -> None:
+    """Low latency and large buffers for collective traffic."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
+        except OSError:
+            pass
+
+
+def connect(
+    addr: tuple[str, int], secret: bytes, timeout: float, what: str = "server"
+) -> socket.socket:
+    """Dial ``addr`` (retrying until ``timeout``), authenticate, and return the socket."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        try:
+            sock = socket.create_connection(addr, timeout=max(0.1, deadline - time.monotonic()))
+            break
+        except OSError as exc:
+            if time.monotonic() + delay > deadline:
+                raise PeerDisconnectedError(
+                    f"could not connect to {what} at {addr[0]}:{addr[1]} within {timeout} s ({exc})"
+                ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    tune(sock)
+    try:
+        authenticate_client(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(timeout)
+    return sock
+
+
+def send_frame(sock: socket.socket, payload: bytes, what: str = "peer") -> None:
+    """Send one length-prefixed frame."""
+    send_all(sock, _LEN.pack(len(payload)) + payload, what)
+
+
+def recv_frame(sock: socket.socket, what: str = "peer") -> bytes:
+    """Receive one length-prefixed frame."""
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, what))
+    if length > MAX_FRAME_BYTES:
+        raise PeerDisconnectedError(f"{what} sent a frame of {length} bytes; protocol error")
+    return recv_exact(sock, length, what)
+
+
+def send_obj(sock: socket.socket, obj: Any, what: str = "peer") -> None:
+    """Pickle ``obj`` into one frame (only ever sent over authenticated sockets)."""
+    send_frame(sock, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), what)
+
+
+def recv_obj(sock: socket.socket, what: str = "peer") -> Any:
+    """Receive one pickled frame from an authenticated socket."""
+    return pickle.loads(recv_frame(sock, what))
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 hosts in brackets) into a tuple."""
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address {addr!r} is not of the form host:port")
+    return host.strip("[]"), int(port)

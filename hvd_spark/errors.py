@@ -1,0 +1,83 @@
+"""The exception family of hvd_spark.
+
+Every error says what happened, which rank/tensor/column is involved, and what to
+do about it. All of them pickle, so they cross process boundaries intact.
+"""
+
+from __future__ import annotations
+
+
+class HvdSparkError(Exception):
+    """Base class of every error raised by hvd_spark."""
+
+
+class ConfigError(HvdSparkError, ValueError):
+    """A parameter or environment variable has a value that cannot work."""
+
+
+class BackendUnavailableError(HvdSparkError):
+    """The requested communication backend cannot be used here (missing package, no GPU)."""
+
+
+class RendezvousTimeoutError(HvdSparkError, TimeoutError):
+    """Not all ranks arrived at the rendezvous before the deadline."""
+
+
+class AuthenticationError(HvdSparkError):
+    """A peer failed to prove that it knows this job's secret."""
+
+
+class CollectiveError(HvdSparkError):
+    """A collective operation failed (mismatched arguments, broken ring, engine stopped)."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective operation did not complete before its deadline."""
+
+
+class PeerDisconnectedError(CollectiveError):
+    """A peer rank closed its connection or died while a collective was running."""
+
+
+class DataError(HvdSparkError):
+    """Input data cannot be used for training (bad column, nulls, too few rows)."""
+
+
+class WorkerFailedError(HvdSparkError):
+    """One or more ranks failed; the first real failure is shown as the root cause.
+
+    Failures that are only consequences of another rank's (a peer disconnected, a
+    rank torn down by the launcher) sort after the others, then by time.
+
+    Args:
+        failures: One ``WorkerFailure`` per failed rank, any order.
+    """
+
+    def __init__(self, failures: list) -> None:
+        self.failures = sorted(failures, key=lambda f: (f.secondary, f.timestamp))
+        super().__init__(self._format())
+
+    def __reduce__(self):
+        return (WorkerFailedError, (self.failures,))
+
+    @property
+    def root_cause(self):
+        """The failure that happened first."""
+        return self.failures[0]
+
+    def _format(self) -> str:
+        if not self.failures:
+            return "a worker failed without reporting why"
+        root = self.failures[0]
+        ranks = ", ".join(str(f.rank) for f in self.failures)
+        lines = [
+            f"{len(self.failures)} rank(s) failed ({ranks}); root cause: rank {root.rank} "
+            f"on host {root.host}: {root.message}",
+        ]
+        if root.traceback:
+            lines += ["", f"Traceback of rank {root.rank} (root cause):", root.traceback.rstrip()]
+        others = self.failures[1:]
+        if others:
+            lines += ["", "Other failures (likely consequences of the root cause):"]
+            lines += [f"  rank {f.rank} on {f.host}: {f.message}" for f in others]
+        return "\n".join(lines)

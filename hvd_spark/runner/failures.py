@@ -1,0 +1,58 @@
+"""What a failed rank reports, and how the driver turns reports into one error."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+
+from hvd_spark.errors import PeerDisconnectedError, WorkerFailedError
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFailure:
+    """One rank's failure.
+
+    Attributes:
+        rank: The failed rank.
+        host: Host it ran on.
+        message: ``Type: message`` of the error, or how the process ended.
+        traceback: Formatted remote traceback ("" when the process died without one).
+        timestamp: ``time.time()`` when the failure happened or was noticed.
+        secondary: True when it is likely a consequence of another rank's failure.
+    """
+
+    rank: int
+    host: str
+    message: str
+    traceback: str = ""
+    timestamp: float = dataclasses.field(default_factory=time.time)
+    secondary: bool = False
+
+    @classmethod
+    def from_exception(cls, rank: int, host: str, exc: BaseException) -> WorkerFailure:
+        """Describe an exception raised by ``fn`` on ``rank``."""
+        return cls(
+            rank=rank,
+            host=host,
+            message=f"{type(exc).__name__}: {exc}",
+            traceback="".join(traceback.format_exception(exc)),
+            secondary=isinstance(exc, PeerDisconnectedError),
+        )
+
+    @classmethod
+    def from_exit(cls, rank: int, host: str, returncode: int, torn_down: bool) -> WorkerFailure:
+        """Describe a process that ended without reporting (killed, or exited non-zero)."""
+        if returncode < 0:
+            how = f"was killed by signal {-returncode}"
+        else:
+            how = f"exited with code {returncode} without reporting a result"
+        if torn_down:
+            how += " (stopped by the launcher after another rank failed)"
+        return cls(rank=rank, host=host, message=f"process {how}", secondary=torn_down)
+
+
+def raise_if_failed(failures: list[WorkerFailure]) -> None:
+    """Raise WorkerFailedError when there is any failure."""
+    if failures:
+        raise WorkerFailedError(failures)

@@ -1,0 +1,45 @@
+"""Forwarding the ranks' output lines, prefixed with the rank, to the driver's streams."""
+
+from __future__ import annotations
+
+import threading
+from typing import IO
+
+
+class OutputForwarder:
+    """Copies lines from the ranks' pipes to two text streams, each line ``[rank] ...``.
+
+    Args:
+        stdout, stderr: Destination streams (a notebook's cell output by default).
+    """
+
+    def __init__(self, stdout: IO[str], stderr: IO[str]) -> None:
+        self._streams = {"stdout": stdout, "stderr": stderr}
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def write(self, rank: int, stream: str, line: str) -> None:
+        """Write one line of ``rank``'s ``stream`` ("stdout" or "stderr")."""
+        target = self._streams[stream]
+        with self._lock:
+            target.write(f"[{rank}] {line.rstrip(chr(10))}\n")
+            target.flush()
+
+    def follow(self, rank: int, out_pipe: IO[bytes], err_pipe: IO[bytes]) -> None:
+        """Start forwarding a rank's two pipes until they close."""
+        for name, pipe in (("stdout", out_pipe), ("stderr", err_pipe)):
+            thread = threading.Thread(
+                target=self._pump, args=(rank, name, pipe), name=f"hvd-out-{rank}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _pump(self, rank: int, name: str, pipe: IO[bytes]) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                self.write(rank, name, raw.decode("utf-8", errors="replace"))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait (bounded) for the pipes to drain."""
+        for thread in self._threads:
+            thread.join(timeout)

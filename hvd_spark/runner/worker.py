@@ -1,0 +1,72 @@
+"""The process every launcher starts for a rank when running a Python function.
+
+It fetches the pickled ``(fn, args, kwargs)`` from the launcher's authenticated
+store, runs it, and reports the pickled result or the failure back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import cloudpickle
+
+from hvd_spark import _env
+from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp.store import StoreClient
+from hvd_spark.config import DEFAULT_START_TIMEOUT_S
+from hvd_spark.runner.failures import WorkerFailure
+
+FN_KEY = "fn"
+REPORT = "report"
+
+
+def _hostname() -> str:
+    return _env.get_str(_env.HOSTNAME) or socket.gethostname()
+
+
+def main() -> int:
+    """Run the job's function as this rank; return the process exit code."""
+    rank = int(_env.require_str(_env.RANK))
+    secret = bytes.fromhex(_env.require_str(_env.SECRET))
+    addr = wire.parse_addr(_env.require_str(_env.RENDEZVOUS_ADDR))
+    timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+    store = StoreClient(addr, secret, timeout)
+    try:
+        fn, args, kwargs = cloudpickle.loads(store.get(FN_KEY, timeout))
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported to the driver
+            sys.stdout.flush()
+            store.call(REPORT, rank, "error", WorkerFailure.from_exception(rank, _hostname(), exc))
+            return 1
+        try:
+            payload = cloudpickle.dumps(result)
+        except Exception as exc:  # noqa: BLE001 - reported with what to do
+            failure = WorkerFailure(rank, _hostname(), (
+                f"the return value of fn on rank {rank} ({type(result).__name__}) cannot be "
+                f"pickled: {exc}; return plain data (numbers, lists, numpy arrays, state dicts)"))
+            store.call(REPORT, rank, "error", failure)
+            return 1
+        _leave_collectives()
+        sys.stdout.flush()
+        store.call(REPORT, rank, "ok", payload)
+        return 0
+    finally:
+        store.close()
+
+
+def _leave_collectives() -> None:
+    """Shut the collectives down gracefully if fn left them running."""
+    if "hvd_spark.collectives.api" in sys.modules:
+        from hvd_spark.collectives import api
+
+        api.shutdown()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
