@@ -25,6 +25,7 @@ from hvd_spark.collectives.api import (
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
+    grouped_allreduce_async_,
     init,
     is_initialized,
     local_rank,
@@ -46,6 +47,6 @@ __all__ = [
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "backend_name",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "broadcast_object", "cross_rank", "cross_size", "grouped_allreduce", "grouped_allreduce_",
-    "grouped_allreduce_async", "init", "is_initialized", "local_rank", "local_size", "poll",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_initialized", "local_rank", "local_size", "poll",
     "rank", "reducescatter", "reducescatter_async", "shutdown", "size", "synchronize",
 ]

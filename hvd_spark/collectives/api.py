@@ -160,6 +160,30 @@ def _in_place_finish(target: np.ndarray):
     return finish
 
 
+def _allreduce_entry(array, name, op, prescale, postscale, inplace: bool) -> Entry:
+    """Validate and prepare one rank's allreduce of ``array``."""
+    name = _auto_name(m.ALLREDUCE, name)
+    array = _as_array(array, f"allreduce {name!r}")
+    op = ReduceOp(op)
+    if inplace:
+        if not array.flags.writeable:
+            raise CollectiveError(f"allreduce_ {name!r}: the array is read-only")
+        work = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+    else:
+        work = np.array(array, order="C", copy=True)
+    if prescale != 1.0:
+        check_reduction(work.dtype, op, prescale, postscale, name)
+        if work is array:
+            work = np.array(work, copy=True)  # never scale the caller's data before sending
+        scale_in_place(work, prescale)
+    request = m.Request(name, m.ALLREDUCE, work.dtype.name, work.shape, int(op),
+                        float(prescale), float(postscale))
+    entry = Entry(request, Handle(name), work)
+    if inplace:
+        entry.finish = _in_place_finish(array)
+    return entry
+
+
 def allreduce_async(
     array: np.ndarray,
     name: str | None = None,
@@ -168,10 +192,8 @@ def allreduce_async(
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start an allreduce of ``array``; the handle's result is a new array."""
-    name = _auto_name(m.ALLREDUCE, name)
-    array = _as_array(array, f"allreduce {name!r}")
-    work = np.array(array, order="C", copy=True)
-    return _allreduce_submit(work, name, op, prescale_factor, postscale_factor, None)
+    entry = _allreduce_entry(array, name, op, prescale_factor, postscale_factor, inplace=False)
+    return _require()[1].submit(entry)
 
 
 def allreduce_async_(
@@ -182,25 +204,8 @@ def allreduce_async_(
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start an in-place allreduce: ``array`` itself receives the result."""
-    name = _auto_name(m.ALLREDUCE, name)
-    array = _as_array(array, f"allreduce {name!r}")
-    if not array.flags.writeable:
-        raise CollectiveError(f"allreduce_ {name!r}: the array is read-only")
-    work = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-    return _allreduce_submit(work, name, op, prescale_factor, postscale_factor, array)
-
-
-def _allreduce_submit(work, name, op, prescale, postscale, target) -> Handle:
-    op = ReduceOp(op)
-    request = m.Request(name, m.ALLREDUCE, work.dtype.name, work.shape, int(op),
-                        float(prescale), float(postscale))
-    if prescale != 1.0:
-        check_reduction(work.dtype, op, prescale, postscale, name)
-        if target is work:
-            work = np.array(work, copy=True)  # never scale the caller's data before sending
-        scale_in_place(work, prescale)
-    finish = _in_place_finish(target) if target is not None else None
-    return _submit(request, work, finish)
+    entry = _allreduce_entry(array, name, op, prescale_factor, postscale_factor, inplace=True)
+    return _require()[1].submit(entry)
 
 
 def allreduce(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0):
@@ -213,16 +218,28 @@ def allreduce_(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, posts
     return synchronize(allreduce_async_(array, name, op, prescale_factor, postscale_factor))
 
 
+def _grouped(arrays, name, op, prescale, postscale, inplace: bool) -> list[Handle]:
+    base = _auto_name("grouped_allreduce", name)
+    entries = [_allreduce_entry(a, f"{base}.{i}", op, prescale, postscale, inplace)
+               for i, a in enumerate(arrays)]
+    # One batch: the coordinator sees all of them at once and fuses them.
+    return _require()[1].submit_many(entries) if entries else []
+
+
 def grouped_allreduce_async(
     arrays: Sequence[np.ndarray], name: str | None = None, op: ReduceOp = ReduceOp.Average,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
 ) -> list[Handle]:
-    """Start allreduces of several arrays, named ``<name>.<i>``; fused by the engine."""
-    base = _auto_name("grouped_allreduce", name)
-    return [
-        allreduce_async(a, f"{base}.{i}", op, prescale_factor, postscale_factor)
-        for i, a in enumerate(arrays)
-    ]
+    """Start allreduces of several arrays as one fused batch; results are new arrays."""
+    return _grouped(arrays, name, op, prescale_factor, postscale_factor, inplace=False)
+
+
+def grouped_allreduce_async_(
+    arrays: Sequence[np.ndarray], name: str | None = None, op: ReduceOp = ReduceOp.Average,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+) -> list[Handle]:
+    """Start in-place allreduces of several arrays as one fused batch."""
+    return _grouped(arrays, name, op, prescale_factor, postscale_factor, inplace=True)
 
 
 def grouped_allreduce(arrays, name=None, op=ReduceOp.Average, prescale_factor=1.0,
@@ -235,9 +252,7 @@ def grouped_allreduce(arrays, name=None, op=ReduceOp.Average, prescale_factor=1.
 def grouped_allreduce_(arrays, name=None, op=ReduceOp.Average, prescale_factor=1.0,
                        postscale_factor=1.0) -> list[np.ndarray]:
     """Allreduce several arrays in place as one fused operation."""
-    base = _auto_name("grouped_allreduce", name)
-    handles = [allreduce_async_(a, f"{base}.{i}", op, prescale_factor, postscale_factor)
-               for i, a in enumerate(arrays)]
+    handles = grouped_allreduce_async_(arrays, name, op, prescale_factor, postscale_factor)
     return [synchronize(h) for h in handles]
 
 

@@ -64,6 +64,9 @@ class Engine:
         self._stopping = False
         self._bye_from: set[int] = set()
         self._first_ready: float | None = None
+        #: Responses executed and tensors they covered; fused allreduces make these differ.
+        self.executed_responses = 0
+        self.executed_tensors = 0
         self._thread = threading.Thread(target=self._run, name="hvd-engine", daemon=True)
         self._thread.start()
 
@@ -71,21 +74,26 @@ class Engine:
 
     def submit(self, entry: Entry) -> Handle:
         """Queue an operation; returns its handle at once."""
-        name = entry.request.name
+        return self.submit_many([entry])[0]
+
+    def submit_many(self, entries: list[Entry]) -> list[Handle]:
+        """Queue operations as one batch, so the coordinator sees (and fuses) them together."""
+        names = [e.request.name for e in entries]
         with self._lock:
             if self._failure is not None:
-                raise self._error_for(name)
+                raise self._error_for(names[0])
             if self._stopping:
-                raise CollectiveError(f"collective {name!r}: hvd_spark was shut down on this rank")
-            if name in self._names_in_flight:
+                raise CollectiveError(f"collective {names[0]!r}: hvd_spark was shut down on this rank")
+            clash = [n for n in names if n in self._names_in_flight]
+            if clash or len(set(names)) != len(names):
                 raise CollectiveError(
-                    f"a collective named {name!r} is already in flight on rank {self.rank}; "
-                    "names must be unique until the operation completes"
+                    f"a collective named {(clash or names)[0]!r} is already in flight on rank "
+                    f"{self.rank}; names must be unique until the operation completes"
                 )
-            self._names_in_flight.add(name)
-            self._queue.append(entry)
+            self._names_in_flight.update(names)
+            self._queue.extend(entries)
         self._wake()
-        return entry.handle
+        return [e.handle for e in entries]
 
     def wait(self, handle: Handle):
         """Wait for ``handle`` with the engine's deadline."""
@@ -222,6 +230,8 @@ class Engine:
             missing = [n for n in response.names if n not in {e.request.name for e in entries}]
             raise CollectiveError(f"rank {self.rank} was told to run {missing} it never submitted")
         results = operations.execute(self.comm, response, entries)
+        self.executed_responses += 1
+        self.executed_tensors += len(entries)
         for entry, result in zip(entries, results):
             self._complete(entry, result=result)
 

@@ -1,5 +1,22 @@
-"""Launchers: ``run_local`` / ``hvdrun`` (local processes) and ``run`` (Spark barrier tasks)."""
+"""Launchers: ``run_local`` / ``hvdrun`` (local processes) and ``run`` (Spark barrier tasks).
 
-from hvd_spark.runner.local_launcher import run_local
+Imports are lazy: ``python -m hvd_spark.runner.worker`` must not import the launchers.
+"""
 
-__all__ = ["run_local"]
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["run", "run_local"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "run_local":
+        from hvd_spark.runner.local_launcher import run_local
+
+        return run_local
+    if name == "run":
+        from hvd_spark.runner.api import run
+
+        return run
+    raise AttributeError(f"module 'hvd_spark.runner' has no attribute {name!r}")

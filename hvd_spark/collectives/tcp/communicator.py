@@ -50,8 +50,9 @@ class TcpCommunicator(Communicator):
             link = negotiate_shm(sock, peer, chunk_bytes) if use_shm and peer in neighbours else None
             self.links[peer] = link if link is not None else TcpLink(sock, peer)
         self.shm_peers = sorted(p for p, link in self.links.items() if not isinstance(link, TcpLink))
-        if size > 1:
-            self.left, self.right = self.links[self.left_rank], self.links[self.right_rank]
+        # With one rank there are no neighbours; every algorithm returns before using them.
+        self.left = self.links.get(self.left_rank)
+        self.right = self.links.get(self.right_rank)
 
     def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp) -> None:
         ring.allreduce(buf, op, self.rank, self.size, self.left, self.right, self.chunk_bytes)

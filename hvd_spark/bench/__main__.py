@@ -1,0 +1,29 @@
+"""``python -m hvd_spark.bench <benchmark> [options]``: run one benchmark, print its table."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "allreduce": ("hvd_spark.bench.allreduce", "collectives busbw vs torch Gloo and MPI"),
+    "torch": ("hvd_spark.bench.torch_bench", "DistributedOptimizer vs torch DDP (Gloo)"),
+    "keras": ("hvd_spark.bench.keras_bench", "Keras DistributedOptimizer vs MWMS"),
+    "spark": ("hvd_spark.bench.spark_overhead", "hvd_spark.run overhead vs TorchDistributor"),
+    "reader": ("hvd_spark.bench.reader_bench", "Parquet reader rows/s vs a plain scan"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to the named benchmark's ``main(argv)``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHMARKS:
+        lines = [f"  {name:10s} {desc}" for name, (_, desc) in BENCHMARKS.items()]
+        print("usage: python -m hvd_spark.bench <benchmark> [options]\n" + "\n".join(lines))
+        return 2
+    module = importlib.import_module(BENCHMARKS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

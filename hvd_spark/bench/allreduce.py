@@ -1,0 +1,265 @@
+"""Allreduce bandwidth, nccl-tests style: hvd_spark vs torch Gloo and MPI, in one run.
+
+``python -m hvd_spark.bench allreduce [-np N]`` launches N local ranks itself (or run
+it under ``hvdrun -np N``). Every size is timed for hvd_spark and Gloo alternately in
+the same processes; MPI Allreduce (mpi4py, Open MPI) runs right after under mpirun.
+busbw = 2(N-1)/N x bytes / time, so it is comparable across N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'64M' -> 67108864."""
+    text = text.strip().upper().rstrip("B")
+    unit = _UNITS.get(text[-1:], 1)
+    return int(float(text[:-1] if unit > 1 else text) * unit)
+
+
+def resnet50_shapes() -> list[tuple[int, ...]]:
+    """The 161 parameter shapes of torchvision's ResNet-50 (25.6M floats, 102 MB)."""
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    channels = 64
+    for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3)):
+        for block in range(blocks):
+            shapes += [(width, channels, 1, 1), (width,), (width,),
+                       (width, width, 3, 3), (width,), (width,),
+                       (4 * width, width, 1, 1), (4 * width,), (4 * width,)]
+            if block == 0:
+                shapes += [(4 * width, channels, 1, 1), (4 * width,), (4 * width,)]
+            channels = 4 * width
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def _iters(nbytes: int, budget_bytes: float) -> int:
+    return int(min(200, max(5, budget_bytes // max(nbytes, 1))))
+
+
+def _time_loop(fn, iters: int, barrier, reduce_max) -> float:
+    """Seconds per call of ``fn``, the slowest rank's, after warm-up."""
+    for _ in range(2):
+        fn()
+    barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return reduce_max((time.perf_counter() - start) / iters)
+
+
+def _gloo_setup(hvd):
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    if hvd.rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    else:
+        port = None
+    port = hvd.broadcast_object(port, 0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=hvd.rank(), world_size=hvd.size())
+    return torch, dist
+
+
+def rank_main(opts: dict) -> dict | None:
+    """Measure on this rank; rank 0 returns the rows."""
+    import hvd_spark.collectives as hvd
+
+    hvd.init()
+    n = hvd.size()
+    gloo = _gloo_setup(hvd) if "gloo" in opts["peers"] else None
+
+    def reduce_max(seconds: float) -> float:
+        return float(hvd.allreduce(np.array([seconds]), name="bench.t", op=hvd.Max)[0])
+
+    rows = []
+    for nbytes in opts["sizes"]:
+        count = nbytes // 4
+        arr = np.zeros(count, np.float32)  # zeros: repeated sums never overflow
+        iters = _iters(nbytes, opts["budget"])
+        row = {"bytes": count * 4, "count": count, "iters": iters}
+        row["hvd"] = _time_loop(lambda: hvd.allreduce_(arr, name="bench.a", op=hvd.Sum),
+                                iters, hvd.barrier, reduce_max)
+        if gloo is not None:
+            torch, dist = gloo
+            tensor = torch.zeros(count, dtype=torch.float32)
+            row["gloo"] = _time_loop(lambda: dist.all_reduce(tensor), iters, dist.barrier,
+                                     reduce_max)
+        rows.append(row)
+    resnet = _resnet_case(hvd, gloo, reduce_max) if opts["resnet"] else None
+    if gloo is not None:
+        gloo[1].destroy_process_group()
+    return {"size": n, "rows": rows, "resnet": resnet} if hvd.rank() == 0 else None
+
+
+def _resnet_case(hvd, gloo, reduce_max) -> dict:
+    shapes = resnet50_shapes()
+    grads = [np.zeros(s, np.float32) for s in shapes]
+    total = sum(g.size for g in grads)
+    flat = np.zeros(total, np.float32)
+    out = {"tensors": len(grads), "bytes": total * 4}
+
+    def grouped():
+        hvd.grouped_allreduce_(grads, name="bench.resnet", op=hvd.Sum)
+
+    out["hvd_grouped"] = _time_loop(grouped, 5, hvd.barrier, reduce_max)
+    out["hvd_flat"] = _time_loop(lambda: hvd.allreduce_(flat, name="bench.flat", op=hvd.Sum),
+                                 5, hvd.barrier, reduce_max)
+    if gloo is not None:
+        torch, dist = gloo
+        tgrads = [torch.zeros(s) for s in shapes]
+        tflat = torch.zeros(total)
+
+        def one_by_one():
+            for t in tgrads:
+                dist.all_reduce(t)
+
+        out["gloo_each"] = _time_loop(one_by_one, 3, dist.barrier, reduce_max)
+        out["gloo_flat"] = _time_loop(lambda: dist.all_reduce(tflat), 5, dist.barrier, reduce_max)
+    return out
+
+
+def mpi_worker(opts: dict) -> None:
+    """Run under mpirun: time MPI Allreduce (in place) and print JSON from rank 0."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rows = []
+    for nbytes in opts["sizes"]:
+        arr = np.zeros(nbytes // 4, np.float32)
+        iters = _iters(nbytes, opts["budget"])
+        seconds = _time_loop(
+            lambda arr=arr: comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM), iters, comm.Barrier,
+            lambda s: comm.allreduce(s, op=MPI.MAX))
+        rows.append({"bytes": arr.nbytes, "mpi": seconds})
+    if comm.rank == 0:
+        print("MPIRESULT " + json.dumps(rows), flush=True)
+
+
+def run_mpi(num_proc: int, argv: list[str]) -> tuple[list[dict], str]:
+    """Run the MPI peer under mpirun; returns rows and a description (or why it is absent)."""
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return [], "MPI: mpi4py not installed"
+    if mpirun is None:
+        return [], "MPI: no mpirun found"
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("HVD_SPARK_")}
+    cmd = [mpirun, "-np", str(num_proc), "--oversubscribe", sys.executable, "-m",
+           "hvd_spark.bench.allreduce", "--mpi-worker", *argv]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    except subprocess.TimeoutExpired:
+        return [], "MPI: mpirun timed out"
+    for line in proc.stdout.splitlines():
+        if line.startswith("MPIRESULT "):
+            version = subprocess.run([mpirun, "--version"], capture_output=True, text=True)
+            return json.loads(line[len("MPIRESULT "):]), version.stdout.splitlines()[0]
+    return [], f"MPI: mpirun failed: {proc.stderr.strip()[-300:]}"
+
+
+def _busbw(nbytes: int, seconds: float, n: int) -> float:
+    return 2 * (n - 1) / n * nbytes / seconds / 1e9 if n > 1 else nbytes / seconds / 1e9
+
+
+def format_table(result: dict, mpi_rows: list[dict], mpi_desc: str) -> str:
+    """Render the nccl-tests-like table with ratios against each peer."""
+    n = result["size"]
+    mpi = {r["bytes"]: r["mpi"] for r in mpi_rows}
+    head = (f"{'size':>8} {'count':>10} {'time(us)':>10} {'algbw':>7} {'busbw':>7} |"
+            f" {'gloo busbw':>10} {'x gloo':>7} | {'mpi busbw':>9} {'x mpi':>6}")
+    lines = [f"hvd_spark allreduce: {n} ranks, float32 Sum in place, GB/s; {mpi_desc}", head]
+    for row in result["rows"]:
+        b, t = row["bytes"], row["hvd"]
+        bus = _busbw(b, t, n)
+        gloo = row.get("gloo")
+        gbus = _busbw(b, gloo, n) if gloo else math.nan
+        mbus = _busbw(b, mpi[b], n) if b in mpi else math.nan
+        lines.append(
+            f"{_human(b):>8} {row['count']:>10} {t * 1e6:>10.1f} {b / t / 1e9:>7.2f} {bus:>7.2f} |"
+            f" {gbus:>10.2f} {bus / gbus:>7.2f} | {mbus:>9.2f} {bus / mbus:>6.2f}")
+    res = result.get("resnet")
+    if res:
+        lines += ["", f"ResNet-50 gradients: {res['tensors']} tensors, {res['bytes'] / 1e6:.1f} MB"
+                  " per step (ms per step, slowest rank)"]
+        for key, label in (("hvd_grouped", "hvd_spark grouped (fused) allreduce"),
+                           ("hvd_flat", "hvd_spark one flat buffer"),
+                           ("gloo_each", "Gloo one tensor at a time"),
+                           ("gloo_flat", "Gloo one flat buffer")):
+            if key in res:
+                lines.append(f"  {label:38s} {res[key] * 1e3:9.1f} ms")
+        if "gloo_each" in res:
+            lines.append(f"  speed-up vs Gloo one-by-one: {res['gloo_each'] / res['hvd_grouped']:.2f}x;"
+                         f" grouped / flat (ours): {res['hvd_grouped'] / res['hvd_flat']:.2f}x")
+    return "\n".join(lines)
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Options of the allreduce benchmark."""
+    p = argparse.ArgumentParser(prog="python -m hvd_spark.bench allreduce")
+    p.add_argument("-np", "--num-proc", type=int, default=2, help="ranks to launch (default 2)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list (default {DEFAULT_SIZES})")
+    p.add_argument("--peers", default="gloo,mpi", help="peers to compare: gloo,mpi or none")
+    p.add_argument("--budget-mb", type=float, default=1024, help="bytes reduced per size, MB")
+    p.add_argument("--no-resnet", action="store_true", help="skip the ResNet-50 gradient case")
+    p.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark (launching the ranks unless already inside hvdrun)."""
+    args = parse_args(argv)
+    opts = {"sizes": [parse_size(s) for s in args.sizes.split(",")],
+            "peers": args.peers.split(","), "budget": args.budget_mb * 1e6,
+            "resnet": not args.no_resnet}
+    if args.mpi_worker:
+        mpi_worker(opts)
+        return 0
+    worker_argv = ["--sizes", args.sizes, "--budget-mb", str(args.budget_mb)]
+    if "HVD_SPARK_RANK" in os.environ:
+        result = rank_main(opts)
+        num_proc = int(os.environ["HVD_SPARK_SIZE"])
+        if result is None:
+            return 0
+    else:
+        from hvd_spark.runner import run_local
+
+        num_proc = args.num_proc
+        result = run_local(rank_main, args=(opts,), num_proc=num_proc)[0]
+    mpi_rows, mpi_desc = ([], "MPI: not requested")
+    if "mpi" in opts["peers"]:
+        mpi_rows, mpi_desc = run_mpi(num_proc, worker_argv)
+    print(format_table(result, mpi_rows, mpi_desc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

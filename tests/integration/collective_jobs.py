@@ -1,0 +1,116 @@
+"""Functions the integration tests run on real ranks (importable by the workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ml_dtypes
+import numpy as np
+
+import hvd_spark.collectives as hvd
+
+
+def all_ops() -> dict:
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out: dict = {"rank": r, "size": n, "local": (hvd.local_rank(), hvd.local_size())}
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) + r
+    out["sum"] = hvd.allreduce(x, op=hvd.Sum)
+    out["avg"] = hvd.allreduce(x)
+    out["min"] = hvd.allreduce(x, op=hvd.Min)
+    out["max"] = hvd.allreduce(x, op=hvd.Max)
+    out["prod"] = hvd.allreduce(np.array([r + 2], np.int64), op=hvd.Product)
+    out["scaled"] = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    out["int_avg"] = hvd.allreduce(np.array([r * 3 + 1], np.int32))
+    out["bf16"] = hvd.allreduce(np.full(4, 0.5, ml_dtypes.bfloat16), op=hvd.Sum)
+    out["f16"] = hvd.allreduce(np.full(4, 0.25, np.float16))
+    noncontig = np.arange(20, dtype=np.float64).reshape(4, 5)[:, ::2] * (r + 1)
+    out["noncontig"] = hvd.allreduce(noncontig, op=hvd.Sum)
+    inplace = np.arange(20, dtype=np.float64).reshape(4, 5)
+    view = inplace[:, 1:3]
+    hvd.allreduce_(view, op=hvd.Sum)
+    out["inplace"] = inplace
+    out["gather"] = hvd.allgather(np.full((r + 1, 2), r, np.int16))
+    out["bcast"] = hvd.broadcast(np.array([r, r + 1]), root_rank=n - 1)
+    b = np.array([float(r)] * 3)
+    hvd.broadcast_(b, 0)
+    out["bcast_"] = b
+    splits = [1 + (r + d) % 2 for d in range(n)]
+    send = np.concatenate([np.full(s, 10 * r + d) for d, s in enumerate(splits)])
+    out["a2a"] = hvd.alltoall(send, splits=splits)
+    out["rs"] = hvd.reducescatter(np.ones((2 * n + 1, 2)) * (r + 1), op=hvd.Sum)
+    out["grouped"] = hvd.grouped_allreduce([np.ones(3) * r, np.ones((2, 2)) * r], op=hvd.Sum)
+    out["obj"] = hvd.broadcast_object({"from": r, "list": [1, 2]}, root_rank=1 % n)
+    out["objs"] = hvd.allgather_object(("rank", r))
+    h = hvd.allreduce_async(np.ones(1000) * r, name="async.1", op=hvd.Sum)
+    while not hvd.poll(h):
+        time.sleep(0.001)
+    out["async"] = hvd.synchronize(h)
+    hvd.barrier()
+    return out
+
+
+def out_of_order_and_fusion() -> dict:
+    hvd.init()
+    r = hvd.rank()
+    names = ["a", "b", "c"] if r % 2 == 0 else ["c", "b", "a"]
+    handles = {nm: hvd.allreduce_async(np.ones(4) * (r + 1), name=nm, op=hvd.Sum) for nm in names}
+    ooo = {nm: hvd.synchronize(h).tolist() for nm, h in handles.items()}
+    from hvd_spark.collectives import api
+
+    engine = api._engine
+    before = (engine.executed_responses, engine.executed_tensors)
+    handles = [hvd.allreduce_async(np.full(100, i, np.float32), name=f"g{i}") for i in range(64)]
+    fused_ok = all(np.allclose(hvd.synchronize(h), i) for i, h in enumerate(handles))
+    after = (engine.executed_responses, engine.executed_tensors)
+    return {"ooo": ooo, "fused_ok": fused_ok, "responses": after[0] - before[0],
+            "tensors": after[1] - before[1]}
+
+
+def mismatches() -> list[str]:
+    hvd.init()
+    r = hvd.rank()
+    errors = []
+    for call in (
+        lambda: hvd.allreduce(np.ones(3 + r), name="shape.w"),
+        lambda: hvd.allreduce(np.ones(3, np.float32 if r else np.float64), name="dtype.w"),
+        lambda: hvd.allreduce(np.ones(3), name="op.w", op=hvd.Sum if r else hvd.Max),
+        lambda: hvd.broadcast(np.ones(2), root_rank=r, name="root.w"),
+        lambda: hvd.allreduce([1, 2, 3]),
+    ):
+        try:
+            call()
+            errors.append("no error")
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    # The engine still works after disagreements.
+    errors.append(str(hvd.allreduce(np.ones(2), op=hvd.Sum).tolist()))
+    return errors
+
+
+def raise_on_rank_one() -> int:
+    hvd.init()
+    if hvd.rank() == 1:
+        raise RuntimeError("boom from rank one")
+    hvd.allreduce(np.ones(3), name="never")
+    return 0
+
+
+def wrong_secret_probe() -> str:
+    """Rank 0 dials the launcher's store with a bad secret mid-job; the job must go on."""
+    from hvd_spark.collectives.tcp import wire
+    from hvd_spark.collectives.tcp.store import StoreClient
+    from hvd_spark.errors import AuthenticationError
+
+    hvd.init()
+    verdict = "n/a"
+    if hvd.rank() == 0:
+        addr = wire.parse_addr(os.environ["HVD_SPARK_RENDEZVOUS_ADDR"])
+        try:
+            StoreClient(addr, b"not-the-secret-not-the-secret!!!", timeout=5)
+            verdict = "accepted"
+        except AuthenticationError:
+            verdict = "rejected"
+    total = hvd.allreduce(np.ones(5), op=hvd.Sum)
+    return f"{verdict} {total.tolist()}"

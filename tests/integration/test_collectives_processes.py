@@ -1,0 +1,201 @@
+"""The collectives across real processes, launched by run_local / hvdrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from hvd_spark.collectives.tcp.store import StoreServer
+from hvd_spark.errors import ConfigError, WorkerFailedError
+from hvd_spark.runner import run_local
+from hvd_spark.runner.local_launcher import rank_env
+from tests.integration import collective_jobs as jobs
+
+
+@pytest.mark.parametrize("num_proc,env", [
+    (2, {}),
+    (3, {"HVD_SPARK_DISABLE_SHM": "1"}),
+    (4, {"HVD_SPARK_CHUNK_BYTES": "4096"}),
+])
+def test_every_operation(num_proc, env):
+    results = run_local(jobs.all_ops, num_proc=num_proc, env=env)
+    n = num_proc
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ranks = range(n)
+    for r, out in enumerate(results):
+        assert out["rank"] == r and out["size"] == n and out["local"] == (r, n)
+        np.testing.assert_allclose(out["sum"], sum(x + k for k in ranks))
+        np.testing.assert_allclose(out["avg"], sum(x + k for k in ranks) / n, rtol=1e-6)
+        np.testing.assert_allclose(out["min"], x)
+        np.testing.assert_allclose(out["max"], x + n - 1)
+        assert out["prod"].tolist() == [int(np.prod([k + 2 for k in ranks]))]
+        np.testing.assert_allclose(out["scaled"], out["sum"], rtol=1e-6)
+        assert out["int_avg"].tolist() == [sum(k * 3 + 1 for k in ranks) // n]
+        assert out["bf16"].astype(float).tolist() == [0.5 * n] * 4
+        assert out["f16"].dtype == np.float16 and float(out["f16"][0]) == 0.25
+        base = np.arange(20, dtype=np.float64).reshape(4, 5)
+        np.testing.assert_allclose(out["noncontig"], base[:, ::2] * sum(k + 1 for k in ranks))
+        want_inplace = base.copy()
+        want_inplace[:, 1:3] *= n
+        np.testing.assert_allclose(out["inplace"], want_inplace)
+        assert out["gather"].tolist() == [[k, k] for k in ranks for _ in range(k + 1)]
+        assert out["bcast"].tolist() == [n - 1, n]
+        assert out["bcast_"].tolist() == [0.0] * 3
+        received, received_splits = out["a2a"]
+        want_splits = [1 + (s + r) % 2 for s in ranks]
+        assert received_splits.tolist() == want_splits
+        assert received.tolist() == [10 * s + r for s in ranks for _ in range(want_splits[s])]
+        rows = (2 * n + 1) // n + (1 if r < (2 * n + 1) % n else 0)
+        assert out["rs"].shape == (rows, 2) and (out["rs"] == sum(k + 1 for k in ranks)).all()
+        total = sum(ranks)
+        assert [g.tolist() for g in out["grouped"]] == [[total] * 3, [[total] * 2] * 2]
+        assert out["obj"] == {"from": 1 % n, "list": [1, 2]}
+        assert out["objs"] == [("rank", k) for k in ranks]
+        assert (out["async"] == total).all()
+
+
+def test_out_of_order_names_and_fusion():
+    a, b = run_local(jobs.out_of_order_and_fusion, num_proc=2)
+    for out in (a, b):
+        assert out["ooo"] == {"a": [3.0] * 4, "b": [3.0] * 4, "c": [3.0] * 4}
+        assert out["fused_ok"] and out["tensors"] == 64
+        # 64 tensors submitted together must not need 64 ring passes.
+        assert out["responses"] < 64
+    assert a["responses"] == b["responses"]
+
+
+def test_mismatches_raise_on_every_rank_and_engine_survives():
+    for rank, errors in enumerate(run_local(jobs.mismatches, num_proc=2)):
+        assert "CollectiveError" in errors[0] and "'shape.w'" in errors[0]
+        assert "rank 0: (3,)" in errors[0] and "rank 1: (4,)" in errors[0]
+        assert "dtype" in errors[1] and "float64" in errors[1]
+        assert "reduce op" in errors[2]
+        assert "root_rank" in errors[3]
+        assert "expects a numpy array, got list" in errors[4]
+        assert errors[5] == "[2.0, 2.0]"
+
+
+def test_failure_names_rank_with_remote_traceback():
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        run_local(jobs.raise_on_rank_one, num_proc=3)
+    err = info.value
+    assert err.root_cause.rank == 1
+    assert "boom from rank one" in str(err) and "raise_on_rank_one" in str(err)
+    assert time.monotonic() - start < 60
+
+
+def test_wrong_secret_rejected_job_unharmed():
+    assert run_local(jobs.wrong_secret_probe, num_proc=2) == [
+        "rejected [2.0, 2.0, 2.0, 2.0, 2.0]", "n/a [2.0, 2.0, 2.0, 2.0, 2.0]"]
+
+
+def test_unpicklable_fn_is_named():
+    import threading
+
+    lock = threading.Lock()
+    with pytest.raises(ConfigError, match="fn cannot be pickled"):
+        run_local(lambda: lock, num_proc=1)
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import hvd_spark.collectives as hvd
+    hvd.init()
+    x = np.ones(4 << 20, np.float32)
+    for i in range(3):
+        hvd.allreduce_(x)
+    if hvd.rank() == int(sys.argv[1]):
+        os.kill(os.getpid(), 9)
+    start = time.monotonic()
+    try:
+        for i in range(1000):
+            hvd.allreduce_(x)
+        print("NOERROR")
+    except Exception as exc:
+        print(f"RAISED {time.monotonic() - start:.2f} {type(exc).__name__}: {exc}")
+""")
+
+
+@pytest.mark.parametrize("shm", [True, False])
+def test_killed_rank_makes_others_raise_quickly(tmp_path, shm):
+    """Ranks started by hand (no launcher teardown): survivors must raise on their own."""
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    secret = os.urandom(32)
+    server = StoreServer(secret)
+    procs = []
+    try:
+        for rank in range(3):
+            env = {**os.environ, **rank_env(rank, 3, server.port, secret)}
+            env["HVD_SPARK_DISABLE_SHM"] = "" if shm else "1"
+            procs.append(subprocess.Popen(
+                [sys.executable, str(script), "1"], env=env, stdout=subprocess.PIPE, text=True))
+        outputs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        server.close()
+    assert procs[1].returncode == -9
+    for rank in (0, 2):
+        line = [ln for ln in outputs[rank].splitlines() if ln.startswith("RAISED")]
+        assert line, f"rank {rank} did not raise: {outputs[rank]!r}"
+        seconds = float(line[0].split()[1])
+        assert seconds < 10, line[0]
+        assert "Disconnected" in line[0] or "CollectiveError" in line[0]
+
+
+def _hvdrun(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "hvd_spark.runner", *args], capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+def test_hvdrun_prefixes_output_and_reports_success(tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text(
+        "import numpy as np, hvd_spark.collectives as hvd\n"
+        "hvd.init()\n"
+        "print('total', hvd.allreduce(np.ones(2), op=hvd.Sum).tolist())\n"
+    )
+    proc = _hvdrun("-np", "2", sys.executable, str(script))
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(proc.stdout.splitlines())
+    assert lines == ["[0] total [2.0, 2.0]", "[1] total [2.0, 2.0]"]
+
+
+def test_hvdrun_failure_exit_code_and_traceback(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "import hvd_spark.collectives as hvd, time\n"
+        "hvd.init()\n"
+        "if hvd.rank() == 1:\n"
+        "    raise ValueError('rank one is unhappy')\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    proc = _hvdrun("-np", "2", "--timeout", "30", sys.executable, str(script))
+    assert proc.returncode == 1
+    assert "root cause: rank 1" in proc.stderr
+    assert "[1] ValueError: rank one is unhappy" in proc.stderr
+    assert time.monotonic() - start < 30, "the sleeping rank must be torn down"
+
+
+def test_hvdrun_usage_errors():
+    proc = _hvdrun("-np", "0", "python")
+    assert proc.returncode == 2 and "-np must be at least 1" in proc.stderr
+
+
+def test_init_outside_launcher_is_a_clear_error():
+    code = "import hvd_spark.collectives as hvd\ntry:\n hvd.init()\nexcept Exception as e: print(e)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_SPARK_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "HVD_SPARK_" in out.stdout and "hvdrun" in out.stdout

@@ -1,0 +1,107 @@
+"""The coordinator's negotiation logic: agreement checks, fusion, stalls, departures."""
+
+from __future__ import annotations
+
+from hvd_spark.collectives import messages as m
+from hvd_spark.collectives.coordinator import Coordinator
+from hvd_spark.collectives.ops import ReduceOp
+
+
+def _req(name, shape=(4,), dtype="float32", kind=m.ALLREDUCE, **kw):
+    return m.Request(name, kind, dtype, shape, **kw)
+
+
+def test_response_only_when_every_rank_asked():
+    c = Coordinator(3, 1 << 20)
+    c.add(0, _req("a"), 0.0)
+    c.add(2, _req("a"), 0.0)
+    assert not c.has_ready()
+    c.add(1, _req("a"), 0.0)
+    (resp,) = c.take_responses()
+    assert resp.names == ("a",) and resp.error is None
+
+
+def test_names_match_regardless_of_order():
+    c = Coordinator(2, 1 << 20)
+    c.add(0, _req("a"), 0)
+    c.add(1, _req("b"), 0)
+    c.add(0, _req("b"), 0)
+    c.add(1, _req("a"), 0)
+    names = [n for r in c.take_responses() for n in r.names]
+    assert sorted(names) == ["a", "b"]
+
+
+def test_shape_mismatch_names_tensor_and_ranks():
+    c = Coordinator(2, 1 << 20)
+    c.add(0, _req("w", shape=(2, 3)), 0)
+    c.add(1, _req("w", shape=(3, 2)), 0)
+    (resp,) = c.take_responses()
+    assert "'w'" in resp.error and "rank 0: (2, 3)" in resp.error and "rank 1: (3, 2)" in resp.error
+
+
+def test_dtype_and_op_mismatch():
+    c = Coordinator(2, 1 << 20)
+    c.add(0, _req("d", dtype="float32"), 0)
+    c.add(1, _req("d", dtype="float64"), 0)
+    c.add(0, _req("o", op=int(ReduceOp.Sum)), 0)
+    c.add(1, _req("o", op=int(ReduceOp.Max)), 0)
+    errors = {r.names[0]: r.error for r in c.take_responses()}
+    assert "dtype" in errors["d"] and "reduce op" in errors["o"]
+
+
+def test_fusion_groups_by_dtype_up_to_threshold():
+    c = Coordinator(1, fusion_threshold=40)
+    for i in range(5):
+        c.add(0, _req(f"f{i}", shape=(4,)), 0)  # 16 bytes each
+    c.add(0, _req("g", dtype="float64"), 0)
+    responses = c.take_responses()
+    groups = [r.names for r in responses]
+    assert groups == [("f0", "f1"), ("f2", "f3"), ("f4",), ("g",)]
+
+
+def test_allgather_and_alltoall_responses():
+    c = Coordinator(2, 0)
+    c.add(0, _req("g", shape=(1, 3), kind=m.ALLGATHER), 0)
+    c.add(1, _req("g", shape=(4, 3), kind=m.ALLGATHER), 0)
+    c.add(0, _req("t", shape=(3,), kind=m.ALLTOALL, splits=(1, 2)), 0)
+    c.add(1, _req("t", shape=(2,), kind=m.ALLTOALL), 0)
+    by_name = {r.names[0]: r for r in c.take_responses()}
+    assert by_name["g"].first_dims == (1, 4)
+    assert by_name["t"].splits == ((1, 2), (1, 1))
+
+
+def test_alltoall_bad_splits_is_an_error():
+    c = Coordinator(2, 0)
+    c.add(0, _req("t", shape=(3,), kind=m.ALLTOALL), 0)
+    c.add(1, _req("t", shape=(2,), kind=m.ALLTOALL, splits=(5, 1)), 0)
+    (resp,) = c.take_responses()
+    assert "rank 0 has 3 rows" in resp.error
+
+
+def test_stall_reported_once_and_expiry_fails():
+    c = Coordinator(3, 0)
+    c.add(0, _req("s"), 0.0)
+    assert c.stalled(30.0, 60.0) == []
+    assert c.stalled(61.0, 60.0) == [("s", [1, 2])]
+    assert c.stalled(62.0, 60.0) == []
+    c.expire(700.0, 600.0)
+    (resp,) = c.take_responses()
+    assert "ranks [1, 2] did not submit" in resp.error
+
+
+def test_departed_rank_fails_waiting_and_new_ops():
+    c = Coordinator(2, 0)
+    c.add(0, _req("x"), 0)
+    c.depart(1, "called shutdown()")
+    (resp,) = c.take_responses()
+    assert "rank 1 called shutdown()" in resp.error
+    c.add(0, _req("y"), 0)
+    (resp,) = c.take_responses()
+    assert resp.error and "'y'" in resp.error
+
+
+def test_bool_average_rejected():
+    c = Coordinator(1, 0)
+    c.add(0, _req("b", dtype="bool", op=int(ReduceOp.Average)), 0)
+    (resp,) = c.take_responses()
+    assert "bool" in resp.error

@@ -1,0 +1,69 @@
+"""Authenticated sockets and the rendezvous store, over real loopback sockets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp.store import StoreClient, StoreServer
+from hvd_spark.errors import AuthenticationError, RendezvousTimeoutError
+
+SECRET = b"s" * 32
+
+
+def test_store_set_get_and_custom_handler():
+    server = StoreServer(SECRET, handlers={"double": lambda x: 2 * x})
+    try:
+        client = StoreClient(("127.0.0.1", server.port), SECRET)
+        threading.Timer(0.1, lambda: server.set("late", [1, 2])).start()
+        assert client.get("late", 5) == [1, 2]
+        client.set("k", {"a": 1})
+        assert server.get("k", 1) == {"a": 1}
+        assert client.call("double", 21) == 42
+        with pytest.raises(RendezvousTimeoutError):
+            client.get("never", 0.2)
+        client.close()
+    finally:
+        server.close()
+
+
+def test_wrong_secret_is_rejected_and_store_keeps_serving():
+    server = StoreServer(SECRET)
+    try:
+        with pytest.raises(AuthenticationError):
+            StoreClient(("127.0.0.1", server.port), b"x" * 32, timeout=5)
+        # A raw connection that sends garbage is dropped too.
+        raw = socket.create_connection(("127.0.0.1", server.port))
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"\0" * 64)
+        raw.settimeout(5)
+        try:
+            dropped = raw.recv(100) == b""
+        except ConnectionResetError:
+            dropped = True
+        assert dropped, "the store must drop a connection that does not authenticate"
+        raw.close()
+        good = StoreClient(("127.0.0.1", server.port), SECRET)
+        good.set("still", "alive")
+        assert good.get("still", 1) == "alive"
+        assert server.rejected_connections >= 1
+    finally:
+        server.close()
+
+
+def test_frames_roundtrip_over_socketpair():
+    a, b = socket.socketpair()
+    wire.send_obj(a, {"x": [1, 2, 3]})
+    assert wire.recv_obj(b) == {"x": [1, 2, 3]}
+    a.close()
+    with pytest.raises(Exception, match="closed"):
+        wire.recv_obj(b)
+
+
+def test_parse_addr():
+    assert wire.parse_addr("10.0.0.1:99") == ("10.0.0.1", 99)
+    assert wire.parse_addr("[::1]:5") == ("::1", 5)
+    with pytest.raises(ValueError):
+        wire.parse_addr("nohost")
