@@ -14,7 +14,7 @@ from hvd_spark.errors import ConfigError
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_START_TIMEOUT_S = 600.0
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
-DEFAULT_CYCLE_TIME_MS = 0.0
+DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_STALL_WARNING_S = 60.0
 
@@ -26,8 +26,9 @@ class EngineConfig:
     Attributes:
         timeout: Seconds any collective may wait for its peers before failing.
         fusion_threshold: Most bytes of allreduce tensors executed as one fused operation.
-        cycle_time_ms: Extra milliseconds the coordinator waits after the first ready
-            tensor to gather more into the same fused operation (0: fuse what is ready).
+        cycle_time_ms: Most milliseconds the coordinator waits, after a tensor is ready
+            on all ranks, for other half-submitted tensors to join the same fused
+            operation (a lone operation never waits).
         chunk_bytes: Bytes per pipelined ring chunk (also the shared-memory slot size).
         use_shm: Use shared memory between ranks on the same host.
         stall_warning: Seconds after which a tensor some ranks have not submitted is logged.

@@ -97,13 +97,14 @@ def rank_main(opts: dict) -> dict | None:
         arr = np.zeros(count, np.float32)  # zeros: repeated sums never overflow
         iters = _iters(nbytes, opts["budget"])
         row = {"bytes": count * 4, "count": count, "iters": iters}
-        row["hvd"] = _time_loop(lambda: hvd.allreduce_(arr, name="bench.a", op=hvd.Sum),
-                                iters, hvd.barrier, reduce_max)
+        row["hvd"] = _time_loop(
+            lambda arr=arr: hvd.allreduce_(arr, name="bench.a", op=hvd.Sum),
+            iters, hvd.barrier, reduce_max)
         if gloo is not None:
             torch, dist = gloo
             tensor = torch.zeros(count, dtype=torch.float32)
-            row["gloo"] = _time_loop(lambda: dist.all_reduce(tensor), iters, dist.barrier,
-                                     reduce_max)
+            row["gloo"] = _time_loop(
+                lambda t=tensor, d=dist: d.all_reduce(t), iters, dist.barrier, reduce_max)
         rows.append(row)
     resnet = _resnet_case(hvd, gloo, reduce_max) if opts["resnet"] else None
     if gloo is not None:
@@ -210,7 +211,8 @@ def format_table(result: dict, mpi_rows: list[dict], mpi_desc: str) -> str:
             if key in res:
                 lines.append(f"  {label:38s} {res[key] * 1e3:9.1f} ms")
         if "gloo_each" in res:
-            lines.append(f"  speed-up vs Gloo one-by-one: {res['gloo_each'] / res['hvd_grouped']:.2f}x;"
+            speedup = res["gloo_each"] / res["hvd_grouped"]
+            lines.append(f"  speed-up vs Gloo one-by-one: {speedup:.2f}x;"
                          f" grouped / flat (ours): {res['hvd_grouped'] / res['hvd_flat']:.2f}x")
     return "\n".join(lines)
 

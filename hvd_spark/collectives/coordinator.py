@@ -149,6 +149,14 @@ class Coordinator:
         """True when responses are waiting to be sent."""
         return bool(self._ready)
 
+    def has_partial(self) -> bool:
+        """True when some operation is submitted by some ranks but not yet all.
+
+        Then more tensors are likely to become ready within moments, and waiting a
+        cycle lets them join the same fused operation.
+        """
+        return bool(self._table)
+
     def take_responses(self) -> list[Response]:
         """Return the ready responses, allreduces fused by dtype/op/scale up to the threshold."""
         out: list[Response] = []

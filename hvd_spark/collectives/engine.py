@@ -55,6 +55,7 @@ class Engine:
         self._sock_rank = {s.fileno(): r for r, s in self._control.items()}
         self._coordinator = Coordinator(size, config.fusion_threshold) if rank == 0 else None
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._queue: deque[Entry] = deque()
         self._pending: dict[str, Entry] = {}
         self._names_in_flight: set[str] = set()
@@ -83,7 +84,8 @@ class Engine:
             if self._failure is not None:
                 raise self._error_for(names[0])
             if self._stopping:
-                raise CollectiveError(f"collective {names[0]!r}: hvd_spark was shut down on this rank")
+                raise CollectiveError(
+                    f"collective {names[0]!r}: hvd_spark was shut down on this rank")
             clash = [n for n in names if n in self._names_in_flight]
             if clash or len(set(names)) != len(names):
                 raise CollectiveError(
@@ -91,9 +93,29 @@ class Engine:
                     f"{self.rank}; names must be unique until the operation completes"
                 )
             self._names_in_flight.update(names)
-            self._queue.extend(entries)
-        self._wake()
+            for entry in entries:
+                self._pending[entry.request.name] = entry
+            if self._coordinator is not None:
+                self._queue.extend(entries)
+        if self._coordinator is not None:
+            self._wake()
+        else:
+            self._send_requests(entries)
         return [e.handle for e in entries]
+
+    def _send_requests(self, entries: list[Entry]) -> None:
+        """Tell the coordinator straight from the caller's thread: one hop less per op."""
+        try:
+            with self._send_lock:
+                wire.send_obj(self._control[0], ("req", [e.request for e in entries]), "rank 0")
+        except HvdSparkError as exc:
+            with self._lock:
+                for entry in entries:
+                    self._pending.pop(entry.request.name, None)
+                    self._names_in_flight.discard(entry.request.name)
+                if self._failure is None:
+                    self._failure = exc
+            raise self._error_for(entries[0].request.name) from exc
 
     def wait(self, handle: Handle):
         """Wait for ``handle`` with the engine's deadline."""
@@ -147,10 +169,7 @@ class Engine:
             timeout = self._cycle_remaining()
         readable, _, _ = select.select([self._wake_r, *self._control.values()], [], [], timeout)
         new = self._drain_local()
-        if self._coordinator is None:
-            if new:
-                wire.send_obj(self._control[0], ("req", [e.request for e in new]), "rank 0")
-        else:
+        if self._coordinator is not None:
             now = time.monotonic()
             for entry in new:
                 self._coordinator.add(self.rank, entry.request, now)
@@ -169,8 +188,6 @@ class Engine:
         with self._lock:
             new = list(self._queue)
             self._queue.clear()
-        for entry in new:
-            self._pending[entry.request.name] = entry
         return new
 
     def _on_control(self, peer: int, sock: socket.socket) -> None:
@@ -198,6 +215,13 @@ class Engine:
             raise CollectiveError(f"unexpected control message {kind!r} from {what}")
 
     def _cycle_remaining(self) -> float:
+        """Seconds to keep gathering before sending ready responses.
+
+        A lone operation goes at once; only while other operations are half
+        submitted does the coordinator linger (up to the cycle time) to fuse them.
+        """
+        if not self._coordinator.has_partial():
+            return 0.0
         if self._first_ready is None:
             self._first_ready = time.monotonic()
         waited = time.monotonic() - self._first_ready
@@ -221,7 +245,8 @@ class Engine:
             self._execute(response)
 
     def _execute(self, response) -> None:
-        entries = [self._pending.pop(n) for n in response.names if n in self._pending]
+        with self._lock:
+            entries = [self._pending.pop(n) for n in response.names if n in self._pending]
         if response.error:
             for entry in entries:
                 self._complete(entry, error=CollectiveError(response.error))
@@ -249,7 +274,8 @@ class Engine:
             return
         try:
             if self._coordinator is None:
-                wire.send_obj(self._control[0], ("bye", None), "rank 0")
+                with self._send_lock:
+                    wire.send_obj(self._control[0], ("bye", None), "rank 0")
                 self._wait_for(lambda: 0 in self._bye_from)
             else:
                 self._wait_for(lambda: len(self._bye_from) == self.size - 1)
@@ -277,7 +303,7 @@ class Engine:
         log.debug("engine on rank %d stopping: %s", self.rank, exc)
         with self._lock:
             self._failure = exc
-            entries = list(self._pending.values()) + list(self._queue)
+            entries = list(self._pending.values())  # queued entries are pending too
             self._pending.clear()
             self._queue.clear()
         for entry in entries:
@@ -294,7 +320,8 @@ class Engine:
         with self._lock:
             if self._failure is None:
                 self._failure = CollectiveError("hvd_spark.collectives was shut down")
-            leftovers = list(self._queue)
+            leftovers = list(self._pending.values())
+            self._pending.clear()
             self._queue.clear()
         for entry in leftovers:
             self._complete(entry, error=self._error_for(entry.request.name))

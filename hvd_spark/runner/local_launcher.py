@@ -135,7 +135,8 @@ class LocalJob:
                     failures.setdefault(rank, b)
             else:
                 exited[rank] = a
-                if rank not in failures and (a != 0 or (expect_reports and rank not in self.results)):
+                unreported = expect_reports and rank not in self.results
+                if rank not in failures and (a != 0 or unreported):
                     failures[rank] = WorkerFailure.from_exit(
                         rank, _HOST, a, torn_down=torn_down_at is not None)
             if failures and torn_down_at is None:

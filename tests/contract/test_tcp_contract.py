@@ -70,3 +70,50 @@ def test_single_rank_is_a_noop():
     a = np.arange(5.0)
     run_parallel([comm], lambda c: c.allreduce(SegmentedBuffer([a]), ops.Sum))
     assert a.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_mesh_drops_intruder_and_still_forms():
+    """A connection without the secret during formation is dropped; the ranks connect anyway."""
+    import socket
+
+    import pytest
+
+    from hvd_spark.collectives.tcp import wire
+    from hvd_spark.errors import AuthenticationError
+
+    server = StoreServer(SECRET)
+    meshes: dict = {}
+    intruder: dict = {}
+
+    def rank(r):
+        store = StoreClient(("127.0.0.1", server.port), SECRET)
+        if r == 1:
+            # Rank 1 waits until the intruder has knocked on rank 0's listener.
+            server.get("intruder-done", 20)
+        meshes[r] = build_mesh(r, 2, store, SECRET, "host", "", timeout=30)
+        store.close()
+
+    def knock():
+        host, port, _ = server.get("mesh/0/0", 20)
+        sock = socket.create_connection((host, port))
+        try:
+            with pytest.raises(AuthenticationError):
+                wire.authenticate_client(sock, b"wrong-secret-wrong-secret-wrong!")
+            intruder["rejected"] = True
+        finally:
+            sock.close()
+            server.set("intruder-done", True)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    threads.append(threading.Thread(target=knock))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    server.close()
+    assert intruder.get("rejected")
+    assert set(meshes) == {0, 1} and 1 in meshes[0].data and 0 in meshes[1].data
+    assert meshes[0].rejected == 1
+    for m in meshes.values():
+        for s in [*m.data.values(), *m.control.values()]:
+            s.close()

@@ -71,7 +71,7 @@ def test_out_of_order_names_and_fusion():
 
 
 def test_mismatches_raise_on_every_rank_and_engine_survives():
-    for rank, errors in enumerate(run_local(jobs.mismatches, num_proc=2)):
+    for errors in run_local(jobs.mismatches, num_proc=2):
         assert "CollectiveError" in errors[0] and "'shape.w'" in errors[0]
         assert "rank 0: (3,)" in errors[0] and "rank 1: (4,)" in errors[0]
         assert "dtype" in errors[1] and "float64" in errors[1]
@@ -199,3 +199,26 @@ def test_init_outside_launcher_is_a_clear_error():
     env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_SPARK_")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert "HVD_SPARK_" in out.stdout and "hvdrun" in out.stdout
+
+
+def test_missing_rank_warns_then_times_out(tmp_path):
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import time, numpy as np, hvd_spark.collectives as hvd\n"
+        "hvd.init()\n"
+        "if hvd.rank() == 1:\n"
+        "    time.sleep(8)\n"
+        "else:\n"
+        "    start = time.monotonic()\n"
+        "    try:\n"
+        "        hvd.allreduce(np.ones(2), name='lonely')\n"
+        "    except Exception as exc:\n"
+        "        print(f'RAISED {time.monotonic() - start:.1f} {exc}')\n"
+    )
+    env = {**os.environ, "HVD_SPARK_TIMEOUT": "3", "HVD_SPARK_STALL_WARNING_TIME": "1"}
+    proc = subprocess.run([sys.executable, "-m", "hvd_spark.runner", "-np", "2", sys.executable,
+                           str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert "'lonely' has waited over 1 s for ranks [1]" in proc.stderr
+    raised = [ln for ln in proc.stdout.splitlines() if "RAISED" in ln]
+    assert raised and "ranks [1] did not submit it within 3.0 s" in raised[0]
+    assert float(raised[0].split()[2]) < 6

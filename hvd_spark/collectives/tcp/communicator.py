@@ -47,9 +47,10 @@ class TcpCommunicator(Communicator):
         # Negotiate in ascending peer order on both sides of every pair: no deadlock.
         for peer in sorted(data_socks):
             sock = data_socks[peer]
-            link = negotiate_shm(sock, peer, chunk_bytes) if use_shm and peer in neighbours else None
+            shm = use_shm and peer in neighbours
+            link = negotiate_shm(sock, peer, chunk_bytes) if shm else None
             self.links[peer] = link if link is not None else TcpLink(sock, peer)
-        self.shm_peers = sorted(p for p, link in self.links.items() if not isinstance(link, TcpLink))
+        self.shm_peers = sorted(p for p, ln in self.links.items() if not isinstance(ln, TcpLink))
         # With one rank there are no neighbours; every algorithm returns before using them.
         self.left = self.links.get(self.left_rank)
         self.right = self.links.get(self.right_rank)

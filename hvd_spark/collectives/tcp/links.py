@@ -71,7 +71,8 @@ def check_header(kind: int, nbytes: int, want_kind: int, want_bytes: int, peer: 
     if kind != want_kind or nbytes != want_bytes:
         raise CollectiveError(
             f"protocol error with rank {peer}: expected message kind {want_kind} of "
-            f"{want_bytes} bytes, got kind {kind} of {nbytes} bytes (ranks disagree on an operation)"
+            f"{want_bytes} bytes, got kind {kind} of {nbytes} bytes "
+            "(ranks disagree on an operation)"
         )
 
 

@@ -28,7 +28,6 @@ from hvd_spark.collectives.tcp.links import (
     KIND_SHM_ACK,
     KIND_SHM_READY,
     Link,
-    as_bytes,
     check_header,
 )
 from hvd_spark.errors import CollectiveError, HvdSparkError
