@@ -96,6 +96,10 @@ class HvdEstimator(Estimator, KeywordParams, MLWritable, MLReadable):
         """Framework-specific TrainSpec settings."""
         return {}
 
+    def _worker_env(self) -> dict[str, str]:
+        """Environment variables for the ranks."""
+        return {}
+
     # ---------------------------------------------------------------- fit
 
     def _check_params(self) -> None:
@@ -161,7 +165,8 @@ class HvdEstimator(Estimator, KeywordParams, MLWritable, MLReadable):
             extra=self._extra(),
         )
         results = run(self._worker(), args=(spec, self._payload()), num_proc=num_proc,
-                      use_gpu=self.value("useGpu"), verbose=self.value("verbose"))
+                      env=self._worker_env(), use_gpu=self.value("useGpu"),
+                      verbose=self.value("verbose"))
         return self._make_model(results[0], run_id)
 
     def _resume_epoch(self, store: Store, run_id: str) -> int:
