@@ -1,0 +1,207 @@
+"""torch.Tensor <-> numpy without copies, and the asynchronous tensor collectives.
+
+Contiguous CPU tensors share their memory with the numpy arrays the collectives
+engine works on, so in-place operations (``allreduce_``) move no extra bytes.
+bfloat16 has no torch->numpy conversion: its bits are viewed as int16 and
+reinterpreted as ``ml_dtypes.bfloat16``.
+
+CUDA tensors are staged through a CPU copy and copied back on completion: this
+pure-Python engine reduces on the CPU (an NCCL backend would avoid the copies).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hvd_spark import collectives as C
+from hvd_spark.collectives.ops import BFLOAT16, ReduceOp
+from hvd_spark.errors import ConfigError
+
+_UNSUPPORTED = (torch.complex64, torch.complex128)
+_group_names = itertools.count()
+
+
+def check_tensor(tensor: Any, what: str, name: str | None) -> torch.Tensor:
+    """Return ``tensor`` or raise a ConfigError saying why it cannot be sent."""
+    label = f"{what}" + (f" {name!r}" if name else "")
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigError(
+            f"{label} expects a torch.Tensor, got {type(tensor).__name__}; "
+            "convert it first with torch.as_tensor(...)"
+        )
+    if tensor.layout != torch.strided:
+        raise ConfigError(f"{label}: {tensor.layout} tensors are not supported; call .to_dense()")
+    if tensor.dtype in _UNSUPPORTED:
+        raise ConfigError(
+            f"{label}: dtype {tensor.dtype} is not supported; send torch.view_as_real(t) instead"
+        )
+    return tensor
+
+
+def as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing the memory of a CPU tensor (any strides)."""
+    t = tensor.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.numpy()
+
+
+def from_numpy(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A tensor sharing ``array``'s memory (copied to ``device`` when it is not the CPU)."""
+    if array.dtype == BFLOAT16:
+        t = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(array)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.device.type == "cpu" else tensor.detach().cpu()
+
+
+class TorchHandle:
+    """The pending result of an asynchronous tensor collective.
+
+    Pass it to ``synchronize`` (or ``poll``). Wraps one or more engine handles and
+    the step that turns their numpy results into tensors, run in the caller's thread.
+    """
+
+    def __init__(self, inner: Sequence[C.Handle], finish: Callable[[list], Any]) -> None:
+        self.inner = list(inner)
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    def done(self) -> bool:
+        """True when every underlying operation finished."""
+        return all(h.done() for h in self.inner)
+
+    def wait(self) -> Any:
+        """Block until finished; return the tensor result (or raise the operation's error)."""
+        if not self._done:
+            results = [C.synchronize(h) for h in self.inner]
+            self._result = self._finish(results)
+            self._done = True
+        return self._result
+
+
+def synchronize(handle: TorchHandle) -> Any:
+    """Wait for an async operation and return its output tensor."""
+    if not isinstance(handle, TorchHandle):
+        raise ConfigError(
+            f"synchronize expects a handle returned by an *_async call, got {type(handle).__name__}"
+        )
+    return handle.wait()
+
+
+def poll(handle: TorchHandle) -> bool:
+    """True when the async operation finished (``synchronize`` then returns at once)."""
+    return handle.done()
+
+
+def _single(fn: Callable[[Any], Any]) -> Callable[[list], Any]:
+    return lambda results: fn(results[0])
+
+
+def _in_place_target(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[Any], Any]]:
+    """The CPU tensor the engine writes into, and what copies it back afterwards."""
+    cpu = _cpu(tensor)
+    if cpu is tensor:
+        return cpu, lambda _: tensor
+
+    def copy_back(_: Any) -> torch.Tensor:
+        with torch.no_grad():
+            tensor.copy_(cpu)
+        return tensor
+
+    return cpu, copy_back
+
+
+def allreduce_async(
+    tensor: torch.Tensor, name: str | None, op: ReduceOp,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+) -> TorchHandle:
+    """Start an out-of-place allreduce; the result is a new tensor on ``tensor``'s device."""
+    check_tensor(tensor, "allreduce", name)
+    handle = C.allreduce_async(as_numpy(_cpu(tensor)), name, op, prescale_factor, postscale_factor)
+    return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
+
+
+def allreduce_async_(
+    tensor: torch.Tensor, name: str | None, op: ReduceOp,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+) -> TorchHandle:
+    """Start an in-place allreduce: ``tensor`` receives the result (no copy on CPU)."""
+    check_tensor(tensor, "allreduce_", name)
+    cpu, finish = _in_place_target(tensor)
+    handle = C.allreduce_async_(as_numpy(cpu), name, op, prescale_factor, postscale_factor)
+    return TorchHandle([handle], _single(finish))
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0, in_place: bool = False,
+) -> TorchHandle:
+    """Start allreduces of several tensors that the engine fuses; one handle for all."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise ConfigError("grouped_allreduce expects a list of tensors")
+    base = name if name is not None else f"grouped_allreduce.noname.{next(_group_names)}"
+    start = allreduce_async_ if in_place else allreduce_async
+    parts = [start(t, f"{base}.{i}", op, prescale_factor, postscale_factor)
+             for i, t in enumerate(tensors)]
+    inner = [h for p in parts for h in p.inner]
+    return TorchHandle(inner, lambda _: [p.wait() for p in parts])
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None) -> TorchHandle:
+    """Start concatenating every rank's tensor along dim 0."""
+    check_tensor(tensor, "allgather", name)
+    handle = C.allgather_async(as_numpy(_cpu(tensor)), name)
+    return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None) -> TorchHandle:
+    """Start broadcasting root's tensor; the result is a new tensor."""
+    check_tensor(tensor, "broadcast", name)
+    handle = C.broadcast_async(as_numpy(_cpu(tensor)), root_rank, name)
+    return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None) -> TorchHandle:
+    """Start an in-place broadcast into ``tensor``."""
+    check_tensor(tensor, "broadcast_", name)
+    cpu, finish = _in_place_target(tensor)
+    handle = C.broadcast_async_(as_numpy(cpu), root_rank, name)
+    return TorchHandle([handle], _single(finish))
+
+
+def alltoall_async(
+    tensor: torch.Tensor, splits: Any, name: str | None
+) -> TorchHandle:
+    """Start an alltoall; the result is ``(tensor, received_splits)``."""
+    check_tensor(tensor, "alltoall", name)
+    if isinstance(splits, torch.Tensor):
+        splits = splits.detach().cpu().numpy()
+    handle = C.alltoall_async(as_numpy(_cpu(tensor)), splits, name)
+
+    def finish(result: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        out, received = result
+        return from_numpy(out, tensor.device), torch.from_numpy(received)
+
+    return TorchHandle([handle], _single(finish))
+
+
+def reducescatter_async(
+    tensor: torch.Tensor, name: str | None, op: ReduceOp,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+) -> TorchHandle:
+    """Start a reduce-scatter: reduce across ranks, keep this rank's block of dim-0 rows."""
+    check_tensor(tensor, "reducescatter", name)
+    handle = C.reducescatter_async(
+        as_numpy(_cpu(tensor)), name, op, prescale_factor, postscale_factor)
+    return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
