@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import IO
 
 
@@ -11,18 +12,21 @@ class OutputForwarder:
 
     Args:
         stdout, stderr: Destination streams (a notebook's cell output by default).
+        timestamps: Start each line with the driver's local time of receipt.
     """
 
-    def __init__(self, stdout: IO[str], stderr: IO[str]) -> None:
+    def __init__(self, stdout: IO[str], stderr: IO[str], timestamps: bool = False) -> None:
         self._streams = {"stdout": stdout, "stderr": stderr}
+        self._timestamps = timestamps
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     def write(self, rank: int, stream: str, line: str) -> None:
         """Write one line of ``rank``'s ``stream`` ("stdout" or "stderr")."""
         target = self._streams[stream]
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S ") if self._timestamps else ""
         with self._lock:
-            target.write(f"[{rank}] {line.rstrip(chr(10))}\n")
+            target.write(f"{stamp}[{rank}] {line.rstrip(chr(10))}\n")
             target.flush()
 
     def follow(self, rank: int, out_pipe: IO[bytes], err_pipe: IO[bytes]) -> None:

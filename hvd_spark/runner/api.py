@@ -1,0 +1,170 @@
+"""``hvd_spark.run``: run a function as the ranks of one job on Spark barrier tasks."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import IO
+
+import cloudpickle
+
+from hvd_spark import _env
+from hvd_spark.config import DEFAULT_START_TIMEOUT_S
+from hvd_spark.errors import ConfigError
+from hvd_spark.runner import spark_launcher, worker
+from hvd_spark.runner.driver_service import DriverService
+from hvd_spark.runner.local_launcher import pickle_job
+from hvd_spark.runner.output import OutputForwarder
+from hvd_spark.runner.spark_task import TaskSpec
+
+log = logging.getLogger("hvd_spark.runner")
+
+
+def _check_env(env: dict[str, str] | None) -> dict[str, str]:
+    env = dict(env or {})
+    bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise ConfigError(f"env must map str to str; not so for {bad!r}")
+    return env
+
+
+def _start_timeout(start_timeout: float | None) -> float:
+    if start_timeout is None:
+        start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+    if start_timeout <= 0:
+        raise ConfigError(f"start_timeout must be positive seconds, got {start_timeout}")
+    return float(start_timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReport:
+    """What one run returned, with the driver's timings (``time.time()`` seconds).
+
+    Attributes:
+        results: ``fn``'s return values, index = rank.
+        hosts: Rank -> host it ran on.
+        submitted_at: When the barrier job was submitted.
+        first_registered_at: When the first task registered (tasks started).
+        all_registered_at: When the last task registered and ranks were assigned.
+        finished_at: When every result was in and the job had ended.
+    """
+
+    results: list
+    hosts: dict[int, str]
+    submitted_at: float
+    first_registered_at: float
+    all_registered_at: float
+    finished_at: float
+
+
+def run(
+    fn: Callable,
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int = 1,
+    use_gpu: bool | None = None,
+    prefix_output_with_timestamp: bool = False,
+) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks; results in rank order.
+
+    Each rank runs in a fresh child process of its task, with its rank's environment,
+    so ``hvd_spark.collectives.init()`` (or a framework binding's) joins the ring.
+
+    Args:
+        fn: The function each rank runs (pickled with cloudpickle).
+        args, kwargs: Its arguments.
+        num_proc: Number of ranks; default ``sparkContext.defaultParallelism``.
+        start_timeout: Seconds for all tasks to start and the ranks to connect; default
+            ``HVD_SPARK_START_TIMEOUT``, else 600.
+        env: Variables added to every rank's environment.
+        stdout, stderr: Streams receiving the ranks' output lines, prefixed ``[rank]``;
+            default the driver's ``sys.stdout``/``sys.stderr`` (a notebook cell shows them live).
+        verbose: 0 quiet, 1 log the start and end of the run, 2 also timings (``logging``).
+        use_gpu: Give each rank its task's GPUs as ``CUDA_VISIBLE_DEVICES``; default: when
+            ``spark.task.resource.gpu.amount`` is set.
+        prefix_output_with_timestamp: Start each forwarded line with the time.
+
+    Returns:
+        ``fn``'s return values, index = rank.
+
+    Raises:
+        ConfigError: No active SparkSession, too few task slots, dynamic allocation,
+            something not picklable, or a bad argument.
+        WorkerFailedError: A rank failed (root cause first, with its remote traceback);
+            the other ranks were stopped and the Spark job cancelled.
+        RendezvousTimeoutError: Not every task started within ``start_timeout``.
+    """
+    return run_with_report(
+        fn, args=args, kwargs=kwargs, num_proc=num_proc, start_timeout=start_timeout, env=env,
+        stdout=stdout, stderr=stderr, verbose=verbose, use_gpu=use_gpu,
+        prefix_output_with_timestamp=prefix_output_with_timestamp,
+    ).results
+
+
+def run_with_report(
+    fn: Callable,
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int = 1,
+    use_gpu: bool | None = None,
+    prefix_output_with_timestamp: bool = False,
+) -> RunReport:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, with timings.
+
+    Same as ``run`` but returns a ``RunReport`` (results, hosts, timings).
+    """
+    payload = pickle_job(fn, args, kwargs)
+    user_env = _check_env(env)
+    timeout = _start_timeout(start_timeout)
+    spark = spark_launcher.active_session()
+    sc = spark.sparkContext
+    num_proc = sc.defaultParallelism if num_proc is None else num_proc
+    if not isinstance(num_proc, int) or num_proc < 1:
+        raise ConfigError(f"num_proc must be a positive integer, got {num_proc!r}")
+    gpu = spark_launcher.resolve_use_gpu(sc, use_gpu)
+    spark_launcher.check_cluster(sc, num_proc)
+    bind_host, advertise_host = spark_launcher.driver_hosts(sc)
+    level = logging.INFO if verbose >= 1 else logging.DEBUG
+    output = OutputForwarder(stdout or sys.stdout, stderr or sys.stderr,
+                             timestamps=prefix_output_with_timestamp)
+    secret = secrets.token_bytes(32)
+    started = time.monotonic()
+    with DriverService(num_proc, secret, bind_host, advertise_host, output) as service:
+        service.set(worker.FN_KEY, payload)
+        spec = TaskSpec(service.addr, secret, timeout, user_env, gpu, uuid.uuid4().hex[:12])
+        launch = spark_launcher.SparkLaunch(spark, service, spec, timeout)
+        log.log(level, "hvd_spark.run: starting %d ranks (job group %s, service %s)",
+                num_proc, launch.job_group, service.addr)
+        submitted_at = time.time()
+        launch.start()
+        payloads = launch.wait()
+        report = RunReport(
+            results=[cloudpickle.loads(p) for p in payloads],
+            hosts=service.hosts,
+            submitted_at=submitted_at,
+            first_registered_at=service.first_registered_at or submitted_at,
+            all_registered_at=service.all_registered_at or submitted_at,
+            finished_at=time.time(),
+        )
+    if verbose >= 2:
+        log.info("hvd_spark.run: tasks started %.3f s after submission, all registered "
+                 "%.3f s later", report.first_registered_at - submitted_at,
+                 report.all_registered_at - report.first_registered_at)
+    log.log(level, "hvd_spark.run: %d ranks finished in %.2f s", num_proc,
+            time.monotonic() - started)
+    return report

@@ -1,0 +1,146 @@
+"""The driver's side of one Spark run: an authenticated service the tasks talk to.
+
+It wraps the collectives' ``StoreServer`` (so the ranks' rendezvous uses it too)
+and adds request kinds for task registration, output lines, results and exits.
+Everything the tasks send becomes an event ``(kind, rank or partition, value)`` on
+one queue the launcher consumes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from hvd_spark.collectives.tcp.store import StoreServer
+from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
+from hvd_spark.runner import worker
+from hvd_spark.runner.failures import WorkerFailure
+from hvd_spark.runner.output import OutputForwarder
+from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks
+
+REGISTER = "register"
+LOG = "log"
+EXIT = "exit"
+TASK_ERROR = "task_error"
+STOP_KEY = "stop"
+
+
+class DriverService:
+    """Registration, output, results and failures of one run's tasks.
+
+    Args:
+        num_proc: Number of tasks (ranks) expected to register.
+        secret: The run's secret; every connection must prove it.
+        bind_host: Interface to listen on.
+        advertise_host: Address tasks dial to reach this service.
+        output: Where the ranks' output lines go.
+    """
+
+    def __init__(
+        self,
+        num_proc: int,
+        secret: bytes,
+        bind_host: str,
+        advertise_host: str,
+        output: OutputForwarder,
+    ) -> None:
+        self.num_proc = num_proc
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.first_registered_at: float | None = None
+        self.all_registered_at: float | None = None
+        self._output = output
+        self._advertise_host = advertise_host
+        self._cond = threading.Condition()
+        self._slots: dict[int, TaskSlot] = {}
+        self._assignment: dict[int, RankInfo] | None = None
+        self._stopped = False
+        self.server = StoreServer(secret, bind_host, {
+            REGISTER: self._on_register,
+            LOG: self._on_log,
+            worker.REPORT: self._on_report,
+            EXIT: self._on_exit,
+            TASK_ERROR: self._on_task_error,
+        })
+
+    @property
+    def addr(self) -> str:
+        """``host:port`` the tasks and their ranks dial."""
+        return f"{self._advertise_host}:{self.server.port}"
+
+    @property
+    def registered(self) -> int:
+        """How many tasks have registered so far."""
+        with self._cond:
+            return len(self._slots)
+
+    @property
+    def hosts(self) -> dict[int, str]:
+        """Rank -> host, once every task has registered (empty before)."""
+        with self._cond:
+            return {i.rank: i.host for i in (self._assignment or {}).values()}
+
+    def _on_register(self, partition: int, host: str, timeout: float) -> RankInfo:
+        # Blocks the task until every task has registered, then returns its rank.
+        with self._cond:
+            if self._stopped:
+                raise HvdSparkError("this run was already stopped; the task is not needed")
+            if partition in self._slots or self._assignment is not None:
+                raise HvdSparkError(
+                    f"the task of partition {partition} registered twice (was it retried?); "
+                    "a run is not restarted by Spark: call hvd_spark.run again")
+            self._slots[partition] = TaskSlot(partition, host)
+            now = time.time()
+            self.first_registered_at = self.first_registered_at or now
+            if len(self._slots) == self.num_proc:
+                self._assignment = assign_ranks(list(self._slots.values()))
+                self.all_registered_at = now
+                self._cond.notify_all()
+            deadline = time.monotonic() + timeout
+            while self._assignment is None and not self._stopped:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RendezvousTimeoutError(
+                        f"only {len(self._slots)} of {self.num_proc} tasks registered within "
+                        f"{timeout} s")
+                self._cond.wait(left)
+            if self._assignment is None:
+                raise HvdSparkError("this run was stopped before every task registered")
+            return self._assignment[partition]
+
+    def _on_log(self, rank: int, lines: list[tuple[str, str]]) -> None:
+        for stream, line in lines:
+            self._output.write(rank, stream, line)
+
+    def _on_report(self, rank: int, status: str, payload: Any) -> None:
+        self.events.put(("report", rank, (status, payload)))
+
+    def _on_exit(self, rank: int, returncode: int, stopped: bool) -> None:
+        # stopped: the task killed its rank because the driver said stop.
+        self.events.put(("exit", rank, (returncode, stopped)))
+
+    def _on_task_error(self, partition: int, failure: WorkerFailure) -> None:
+        self.events.put(("task_error", partition, failure))
+
+    def set(self, key: str, value: Any) -> None:
+        """Publish a value the ranks can fetch (e.g. the pickled function)."""
+        self.server.set(key, value)
+
+    def stop(self) -> None:
+        """Tell every task to stop its rank; pending registrations fail."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self.server.set(STOP_KEY, True)
+
+    def close(self) -> None:
+        """Stop the tasks (if still running) and the server."""
+        self.stop()
+        self.server.close()
+
+    def __enter__(self) -> DriverService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

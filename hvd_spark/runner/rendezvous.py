@@ -1,0 +1,96 @@
+"""Rank assignment: which Spark task becomes which rank, grouped host by host.
+
+A pure function over what the tasks registered (partition id and host), so the
+driver can assign every rank at once and the rule is unit-tested on its own.
+
+Ranks on one host are consecutive, hosts are ordered by their lowest partition id,
+and within a host tasks are ordered by partition id. As in Horovod, ``local_rank``
+counts ranks on the same host and ``cross_rank``/``cross_size`` index the hosts
+that have a rank with the same ``local_rank``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from hvd_spark.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSlot:
+    """What one barrier task told the driver about itself.
+
+    Attributes:
+        partition: The task's partition id (0..num_proc-1).
+        host: Name of the machine it runs on; equal names mean shared memory works.
+    """
+
+    partition: int
+    host: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    """Where one task's rank sits in the job.
+
+    Attributes:
+        partition: The Spark partition the rank runs in.
+        host: The host it runs on.
+        rank, size: Global rank and world size.
+        local_rank, local_size: Rank among the ranks on this host, and their number.
+        cross_rank, cross_size: Index of this host among the hosts having a rank with
+            this ``local_rank``, and their number.
+    """
+
+    partition: int
+    host: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+def assign_ranks(slots: Sequence[TaskSlot]) -> dict[int, RankInfo]:
+    """Assign a rank to every task.
+
+    Args:
+        slots: One entry per task, any order; partition ids must be distinct.
+
+    Returns:
+        Partition id -> its RankInfo.
+
+    Raises:
+        ConfigError: No tasks, or a partition id registered twice.
+    """
+    if not slots:
+        raise ConfigError("cannot assign ranks: no task registered")
+    partitions = [s.partition for s in slots]
+    if len(set(partitions)) != len(partitions):
+        raise ConfigError(f"a partition registered twice: {sorted(partitions)}")
+    by_host: dict[str, list[int]] = {}
+    for slot in sorted(slots, key=lambda s: s.partition):
+        by_host.setdefault(slot.host, []).append(slot.partition)
+    # dict order = order of each host's lowest partition, since slots were sorted.
+    hosts = list(by_host)
+    size = len(slots)
+    result: dict[int, RankInfo] = {}
+    rank = 0
+    for host in hosts:
+        local = by_host[host]
+        for local_rank, partition in enumerate(local):
+            peers = [h for h in hosts if len(by_host[h]) > local_rank]
+            result[partition] = RankInfo(
+                partition=partition,
+                host=host,
+                rank=rank,
+                size=size,
+                local_rank=local_rank,
+                local_size=len(local),
+                cross_rank=peers.index(host),
+                cross_size=len(peers),
+            )
+            rank += 1
+    return result

@@ -1,0 +1,264 @@
+"""The Spark side of ``hvd_spark.run``: checks, the barrier job, and its supervision.
+
+The barrier job runs in a background thread under its own job group, so the
+driver can cancel it the moment a rank fails; meanwhile the calling thread
+consumes the events of the run's ``DriverService`` and decides when it is over.
+pyspark is imported inside functions so ``import hvd_spark.runner`` never needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import queue
+import re
+import threading
+import time
+from typing import Any
+
+from hvd_spark.errors import (
+    ConfigError,
+    HvdSparkError,
+    RendezvousTimeoutError,
+    WorkerFailedError,
+)
+from hvd_spark.runner import spark_task
+from hvd_spark.runner.driver_service import DriverService
+from hvd_spark.runner.failures import WorkerFailure
+
+log = logging.getLogger(__name__)
+
+_TEARDOWN_GRACE_S = 3.0
+_JOIN_TIMEOUT_S = 30.0
+_SLOT_WAIT_S = 15.0
+_POLL_S = 0.2
+
+
+def active_session() -> Any:
+    """Return the active SparkSession, or raise a ConfigError saying how to get one."""
+    try:
+        from pyspark import SparkContext
+        from pyspark.sql import SparkSession
+    except ImportError as exc:
+        raise ConfigError(
+            "hvd_spark.run needs pyspark: pip install 'hvd-spark[spark]' (or use "
+            "hvd_spark.run_local to run without Spark)") from exc
+    session = SparkSession.getActiveSession()
+    # The active session is thread-local in the JVM; another driver thread sees none,
+    # but the process's SparkContext is still there to attach to.
+    if session is None and SparkContext._active_spark_context is not None:
+        session = SparkSession.builder.getOrCreate()
+    if session is None:
+        raise ConfigError(
+            "hvd_spark.run needs an active SparkSession: create one first with "
+            "SparkSession.builder.getOrCreate() (or use hvd_spark.run_local without Spark)")
+    try:
+        session.sparkContext  # noqa: B018 - Spark Connect sessions have none
+    except Exception as exc:  # noqa: BLE001 - any failure means no classic context
+        raise ConfigError(
+            "hvd_spark.run needs a classic SparkSession with a SparkContext; "
+            "Spark Connect sessions are not supported yet") from exc
+    return session
+
+
+def _conf(sc: Any, key: str, default: str) -> str:
+    return sc.getConf().get(key, default)
+
+
+def _is_local(sc: Any) -> bool:
+    return sc.master.startswith("local")
+
+
+def task_slots(sc: Any) -> int:
+    """How many tasks the cluster can run at once (what a barrier stage needs)."""
+    task_cpus = int(_conf(sc, "spark.task.cpus", "1"))
+    match = re.fullmatch(r"local-cluster\[(\d+),\s*(\d+),\s*\d+\]", sc.master)
+    if match:
+        return int(match.group(1)) * int(match.group(2)) // task_cpus
+    if _is_local(sc):
+        return sc.defaultParallelism // task_cpus
+    try:  # what Spark's own barrier check uses; private API, hence the fallback
+        jsc = sc._jsc.sc()
+        return int(jsc.maxNumConcurrentTasks(
+            jsc.resourceProfileManager().defaultResourceProfile()))
+    except Exception:  # noqa: BLE001 - fall back to the public estimate
+        return sc.defaultParallelism // task_cpus
+
+
+def resolve_use_gpu(sc: Any, use_gpu: bool | None) -> bool:
+    """``use_gpu=None`` means: if Spark schedules GPUs to tasks."""
+    amount = _conf(sc, "spark.task.resource.gpu.amount", "")
+    if use_gpu is None:
+        return bool(amount)
+    if use_gpu and not amount:
+        raise ConfigError(
+            "use_gpu=True but Spark does not schedule GPUs to tasks: set "
+            "spark.task.resource.gpu.amount (and spark.executor.resource.gpu.amount with a "
+            "discovery script), or pass use_gpu=False")
+    return use_gpu
+
+
+def check_cluster(sc: Any, num_proc: int) -> None:
+    """Fail before launching when a barrier stage of ``num_proc`` tasks cannot run."""
+    if not _is_local(sc) and _conf(sc, "spark.dynamicAllocation.enabled", "false") == "true":
+        raise ConfigError(
+            "Spark barrier mode does not work with dynamic allocation: start the session with "
+            "spark.dynamicAllocation.enabled=false and a fixed number of executors")
+    slots = task_slots(sc)
+    deadline = time.monotonic() + (0 if _is_local(sc) else _SLOT_WAIT_S)
+    while slots < num_proc and time.monotonic() < deadline:
+        time.sleep(0.5)  # executors may still be registering
+        slots = task_slots(sc)
+    if num_proc > slots:
+        raise ConfigError(
+            f"num_proc={num_proc} but the cluster runs at most {slots} tasks at once "
+            f"(master {sc.master}, spark.task.cpus={_conf(sc, 'spark.task.cpus', '1')}): "
+            "lower num_proc, or add executors/cores; all ranks must run at the same time")
+
+
+def driver_hosts(sc: Any) -> tuple[str, str]:
+    """(interface to bind, address tasks dial) for the driver's service."""
+    if _is_local(sc):
+        return "127.0.0.1", "127.0.0.1"  # executors run on this machine
+    host = _conf(sc, "spark.driver.host", "")
+    if not host:
+        raise ConfigError("spark.driver.host is not set; cannot tell executors where to connect")
+    return _conf(sc, "spark.driver.bindAddress", host), host
+
+
+@dataclasses.dataclass
+class _Outcome:
+    results: dict[int, bytes] = dataclasses.field(default_factory=dict)
+    failures: dict[int, WorkerFailure] = dataclasses.field(default_factory=dict)
+    exited: set[int] = dataclasses.field(default_factory=set)
+    spark_error: BaseException | None = None
+    spark_done: bool = False
+
+
+class SparkLaunch:
+    """One barrier job running ``num_proc`` ranks, supervised from the driver.
+
+    Args:
+        spark: The session to run on.
+        service: The run's driver service (started, with the function published).
+        spec: What the tasks receive.
+        start_timeout: Seconds for every task to start and register.
+    """
+
+    def __init__(self, spark: Any, service: DriverService, spec: spark_task.TaskSpec,
+                 start_timeout: float) -> None:
+        self.spark = spark
+        self.service = service
+        self.spec = spec
+        self.start_timeout = start_timeout
+        self.num_proc = service.num_proc
+        self.job_group = f"hvd_spark-{spec.run_id}"
+        self._thread: threading.Thread | None = None
+
+    def _collect(self) -> None:
+        sc = self.spark.sparkContext
+        sc.setJobGroup(self.job_group, f"hvd_spark.run of {self.num_proc} ranks",
+                       interruptOnCancel=True)
+        error: BaseException | None = None
+        try:
+            self._job().collect()
+        except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
+            error = exc
+        self.service.events.put(("spark_done", -1, error))
+
+    def _job(self) -> Any:
+        n = self.num_proc
+        frame = self.spark.range(n, numPartitions=n)
+        try:
+            return frame.mapInArrow(functools.partial(spark_task.arrow_task, self.spec),
+                                    spark_task.OUTPUT_SCHEMA, barrier=True)
+        except TypeError:  # Spark < 3.5: no barrier DataFrame API
+            rdd = self.spark.sparkContext.parallelize(range(n), n).barrier()
+            return rdd.mapPartitions(functools.partial(spark_task.rdd_task, self.spec))
+
+    def start(self) -> None:
+        """Submit the barrier job in a background thread with its own job group."""
+        from pyspark import InheritableThread
+
+        self._thread = InheritableThread(target=self._collect, name="hvd-spark-job", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> list[bytes]:
+        """Supervise the run; return the pickled results in rank order.
+
+        Raises:
+            WorkerFailedError: A rank failed; the others were stopped, the job cancelled.
+            RendezvousTimeoutError: Not every task started within ``start_timeout``.
+            HvdSparkError: The Spark job failed before the ranks could report.
+        """
+        outcome = _Outcome()
+        try:
+            self._supervise(outcome)
+        finally:
+            self._finish(outcome)
+        if outcome.failures:
+            raise WorkerFailedError(list(outcome.failures.values()))
+        if len(outcome.results) < self.num_proc:
+            missing = sorted(set(range(self.num_proc)) - set(outcome.results))
+            raise HvdSparkError(
+                f"the Spark barrier job ended without results from ranks {missing}: "
+                f"{outcome.spark_error}") from outcome.spark_error
+        return [outcome.results[r] for r in range(self.num_proc)]
+
+    def _supervise(self, out: _Outcome) -> None:
+        start_deadline = time.monotonic() + self.start_timeout
+        teardown_at: float | None = None
+        while len(out.results) < self.num_proc or out.failures:
+            if teardown_at is not None and (
+                    len(out.exited) >= self.num_proc or out.spark_done
+                    or time.monotonic() - teardown_at > _TEARDOWN_GRACE_S):
+                return
+            if out.spark_done and teardown_at is None:
+                return  # the job ended (or failed) with nothing left to wait for
+            if (teardown_at is None and self.service.all_registered_at is None
+                    and time.monotonic() > start_deadline):
+                raise RendezvousTimeoutError(
+                    f"only {self.service.registered} of {self.num_proc} Spark tasks started "
+                    f"within start_timeout={self.start_timeout} s: other jobs may hold the task "
+                    "slots, or executors are missing; free them or raise start_timeout")
+            try:
+                kind, key, value = self.service.events.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            self._apply(out, kind, key, value, torn_down=teardown_at is not None)
+            if out.failures and teardown_at is None:
+                teardown_at = time.monotonic()
+                self.service.stop()
+
+    def _apply(self, out: _Outcome, kind: str, key: int, value: Any, torn_down: bool) -> None:
+        host = self.service.hosts.get(key, "?")
+        if kind == "report" and value[0] == "ok":
+            out.results[key] = value[1]
+        elif kind == "report":
+            out.failures.setdefault(key, value[1])
+        elif kind == "exit":
+            returncode, stopped = value
+            out.exited.add(key)
+            if key not in out.failures and (returncode != 0 or key not in out.results):
+                out.failures[key] = WorkerFailure.from_exit(key, host, returncode, stopped)
+        elif kind == "task_error":
+            if torn_down:
+                value = dataclasses.replace(value, secondary=True)
+            out.failures.setdefault(key, value)
+        elif kind == "spark_done":
+            out.spark_done, out.spark_error = True, value
+
+    def _finish(self, out: _Outcome) -> None:
+        """Stop the ranks, cancel the job if it still runs, and wait for it (bounded)."""
+        self.service.stop()
+        thread = self._thread
+        if thread is None:
+            return
+        if not out.spark_done and (out.failures or len(out.results) < self.num_proc):
+            log.info("cancelling Spark job group %s", self.job_group)
+            self.spark.sparkContext.cancelJobGroup(self.job_group)
+        thread.join(_JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            log.warning("the Spark job of group %s did not end within %s s after the run",
+                        self.job_group, _JOIN_TIMEOUT_S)

@@ -1,0 +1,74 @@
+"""Pre-launch checks of the Spark launcher, against a fake SparkContext (no JVM)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from hvd_spark.errors import ConfigError
+from hvd_spark.runner import spark_launcher, spark_task
+
+
+class _Conf:
+    def __init__(self, values: dict[str, str]) -> None:
+        self._values = values
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return self._values.get(key, default)
+
+
+def _sc(master: str, parallelism: int = 2, **conf: str):
+    values = {k.replace("_", "."): v for k, v in conf.items()}
+    return types.SimpleNamespace(master=master, defaultParallelism=parallelism,
+                                 getConf=lambda: _Conf(values))
+
+
+def test_task_slots_follow_the_master_and_task_cpus():
+    assert spark_launcher.task_slots(_sc("local[4]", 4)) == 4
+    assert spark_launcher.task_slots(_sc("local[4]", 4, spark_task_cpus="2")) == 2
+    assert spark_launcher.task_slots(_sc("local-cluster[3, 2, 1024]", 2)) == 6
+
+
+def test_too_many_ranks_fail_fast_naming_the_limit():
+    with pytest.raises(ConfigError, match=r"num_proc=3 but the cluster runs at most 2"):
+        spark_launcher.check_cluster(_sc("local[2]", 2), 3)
+    spark_launcher.check_cluster(_sc("local[2]", 2), 2)
+
+
+def test_dynamic_allocation_is_refused_with_what_to_set():
+    sc = _sc("spark://m:7077", 8, spark_dynamicAllocation_enabled="true")
+    with pytest.raises(ConfigError, match="spark.dynamicAllocation.enabled=false"):
+        spark_launcher.check_cluster(sc, 2)
+
+
+def test_use_gpu_defaults_to_spark_gpu_scheduling():
+    assert spark_launcher.resolve_use_gpu(_sc("local[2]"), None) is False
+    gpu_sc = _sc("local[2]", spark_task_resource_gpu_amount="1")
+    assert spark_launcher.resolve_use_gpu(gpu_sc, None) is True
+    with pytest.raises(ConfigError, match="spark.task.resource.gpu.amount"):
+        spark_launcher.resolve_use_gpu(_sc("local[2]"), True)
+
+
+def test_task_gpus_come_from_the_task_resources():
+    gpu = types.SimpleNamespace(addresses=["2", "3"])
+    context = types.SimpleNamespace(resources=lambda: {"gpu": gpu})
+    assert spark_task._task_gpus(context, True) == ["2", "3"]
+    assert spark_task._task_gpus(context, False) is None
+
+
+def test_driver_address_is_loopback_locally_and_driver_host_on_a_cluster():
+    assert spark_launcher.driver_hosts(_sc("local[2]")) == ("127.0.0.1", "127.0.0.1")
+    sc = _sc("yarn", spark_driver_host="10.1.2.3")
+    assert spark_launcher.driver_hosts(sc) == ("10.1.2.3", "10.1.2.3")
+
+
+def test_output_lines_can_start_with_a_timestamp():
+    import io
+    import re
+
+    from hvd_spark.runner.output import OutputForwarder
+
+    out = io.StringIO()
+    OutputForwarder(out, io.StringIO(), timestamps=True).write(3, "stdout", "epoch 1\n")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[3\] epoch 1\n", out.getvalue())
