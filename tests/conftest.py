@@ -27,6 +27,7 @@ def _session(master: str):
         SparkSession.builder.master(master)
         .appName("hvd_spark-tests")
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.driver.memory", "1g")
         .config("spark.executor.memory", "1g")

@@ -10,9 +10,8 @@ import threading
 import time
 import uuid
 
+import pyspark  # noqa: F401 - CI installs it: never a skip
 import pytest
-
-pytest.importorskip("pyspark")
 
 import hvd_spark  # noqa: E402
 from hvd_spark.errors import ConfigError, WorkerFailedError  # noqa: E402

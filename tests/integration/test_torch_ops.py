@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch  # CI installs it: a missing package is a failure, not a skip
 
 from hvd_spark.errors import WorkerFailedError  # noqa: E402
 from hvd_spark.runner.local_launcher import run_local  # noqa: E402

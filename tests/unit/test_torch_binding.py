@@ -7,8 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch  # CI installs it: a missing package is a failure, not a skip
 
 import hvd_spark.torch as hvd  # noqa: E402
 from hvd_spark.errors import ConfigError  # noqa: E402

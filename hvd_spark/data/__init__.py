@@ -1,0 +1,30 @@
+"""Data layer: Stores, DataFrame -> Parquet (driver) and sharded batch reading (workers).
+
+``prepare_data`` (the only pyspark user) is imported lazily so that workers importing
+``hvd_spark.data`` for the reader never load pyspark.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hvd_spark.data.reader import ShardReader
+from hvd_spark.data.spec import ColumnSpec, DatasetSpec, SplitSpec
+from hvd_spark.data.store import DBFSLocalStore, HDFSStore, LocalStore, Store
+
+__all__ = [
+    "ColumnSpec", "DatasetSpec", "DBFSLocalStore", "HDFSStore", "LocalStore", "ShardReader",
+    "SplitSpec", "Store", "as_tf_dataset", "as_torch", "prepare_data",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "prepare_data":
+        from hvd_spark.data.writer import prepare_data
+
+        return prepare_data
+    if name in ("as_torch", "as_tf_dataset"):
+        from hvd_spark.data import adapters
+
+        return getattr(adapters, name)
+    raise AttributeError(f"module 'hvd_spark.data' has no attribute {name!r}")

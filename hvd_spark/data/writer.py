@@ -1,0 +1,383 @@
+"""Driver side: a Spark DataFrame -> Parquet shards in a Store + a ``DatasetSpec``.
+
+The only module of ``hvd_spark.data`` that uses pyspark (imported inside functions).
+
+What happens in ``prepare_data``, in this order:
+
+1. Settings and the schema are checked without running a Spark job (missing columns,
+   string/struct/map columns, a non-numeric validation column).
+2. One aggregation pass counts rows, nulls per column, array lengths, bad validation
+   values and validation rows, and fingerprints the content (the sum of a 64-bit hash
+   of every row). Any bad input raises ``DataError`` here, before anything is written.
+3. The cache key is a SHA-256 of: the content fingerprint and row count, the selected
+   columns with their types, the validation setting (fraction and seed, or column), the
+   number of files and the format version. Re-fitting the same data with the same
+   settings therefore reuses the files, in any session; the key changes (and the data
+   is rewritten under a new directory) when any value of a selected column changes,
+   when rows are added or removed, or when the columns, validation, seed or
+   ``num_proc x partitions_per_process`` change. ``batch_size`` is not part of it.
+   Old keys are never deleted automatically: remove ``intermediate_train_data/`` to
+   reclaim space.
+4. On a miss, the rows are repartitioned into ``num_proc x partitions_per_process``
+   partitions and each Spark task writes its train and validation rows as Parquet
+   through the Store's pyarrow filesystem (so any filesystem pyarrow supports works
+   without Hadoop connectors). The spec is written last: it is the commit marker,
+   and a dataset directory without one is never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import posixpath
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pyarrow import fs as pafs
+
+from hvd_spark.data.spec import SPEC_VERSION, ColumnSpec, DatasetSpec, SplitSpec
+from hvd_spark.data.store import Store
+from hvd_spark.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+IS_VAL = "__hvd_spark_is_val"
+_NUMERIC = {
+    "byte": "int8", "short": "int16", "integer": "int32", "long": "int64",
+    "float": "float32", "double": "float64", "boolean": "bool",
+}
+
+
+def prepare_data(
+    df: Any,
+    store: Store | str,
+    *,
+    feature_cols: Sequence[str] | str,
+    label_cols: Sequence[str] | str = (),
+    sample_weight_col: str | None = None,
+    validation: float | str | None = None,
+    num_proc: int,
+    batch_size: int,
+    val_batch_size: int | None = None,
+    partitions_per_process: int = 2,
+    seed: int = 0,
+) -> DatasetSpec:
+    """Check ``df``, write it as Parquet shards in ``store`` (or reuse them) and return the spec.
+
+    Args:
+        df: A pyspark DataFrame.
+        store: A Store or a prefix/URL for ``Store.create``.
+        feature_cols: Feature column(s): numbers, arrays of numbers or ML Vectors.
+        label_cols: Label column(s), same types as features.
+        sample_weight_col: Optional numeric per-row weight column.
+        validation: None, a fraction in (0, 1) of rows drawn at random (seeded), or the
+            name of a 0/1 or boolean column that marks validation rows.
+        num_proc: Number of training processes that will read the data.
+        batch_size: Training batch size per process (checks there is enough data).
+        val_batch_size: Validation batch size per process; default ``batch_size``.
+        partitions_per_process: Parquet files per process.
+        seed: Seed of the random validation split.
+
+    Returns:
+        The ``DatasetSpec`` of the written (or reused) dataset.
+
+    Raises:
+        ConfigError: A setting cannot work.
+        DataError: The DataFrame cannot be used (the message names the column).
+    """
+    features = _names("feature_cols", feature_cols, required=True)
+    labels = _names("label_cols", label_cols, required=False)
+    _check_settings(validation, num_proc, batch_size, val_batch_size, partitions_per_process)
+    store = Store.create(store)
+    weight = [sample_weight_col] if sample_weight_col else []
+    wanted = features + labels + weight
+    duplicates = sorted({c for c in wanted if wanted.count(c) > 1})
+    if duplicates:
+        raise ConfigError(f"column(s) {duplicates} given more than once in feature/label/weight")
+    val_col = validation if isinstance(validation, str) else None
+    columns = _column_specs(df, wanted, val_col)
+    selected, is_val = _select(df, columns, validation, seed)
+    stats = _aggregate(selected, columns, is_val, val_col)
+    _check_stats(stats, columns, validation, num_proc, batch_size, val_batch_size or batch_size)
+    columns = [_with_shape(c, stats, i) for i, c in enumerate(columns)]
+    num_files = num_proc * partitions_per_process
+    settings = {
+        "validation": validation, "seed": seed if isinstance(validation, float) else None,
+        "num_files": num_files, "rows": stats["n"],
+    }
+    key = _cache_key(stats["fingerprint"], columns, settings)
+    cached = _cached_spec(store, key)
+    if cached is not None:
+        logger.info("reusing dataset %s in %s (same data and settings)", key, store.url)
+        return cached
+    store.delete(store.dataset_path(key))  # a partial write from an interrupted run
+    out = selected.repartition(num_files)
+    written = out.mapInArrow(_ShardWriter(store, key), "split string, file string, rows long")
+    splits = _splits(written.collect())
+    spec = DatasetSpec(
+        key=key,
+        root_url=store.url_of(store.dataset_path(key)),
+        columns=tuple(columns),
+        feature_cols=tuple(features),
+        label_cols=tuple(labels),
+        sample_weight_col=sample_weight_col,
+        train=splits.get("train", SplitSpec()),
+        val=splits.get("val", SplitSpec()),
+        settings=settings,
+    )
+    store.write_bytes(store.spec_path(key), spec.to_json().encode())
+    logger.info("wrote dataset %s: %d train / %d val rows", key, spec.train.num_rows,
+                spec.val.num_rows)
+    return spec
+
+
+def _names(param: str, value: Sequence[str] | str, required: bool) -> list[str]:
+    names = [value] if isinstance(value, str) else list(value or ())
+    if required and not names:
+        raise ConfigError(f"{param} must name at least one column")
+    if not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{param} must be column names (strings), got {value!r}")
+    return names
+
+
+def _check_settings(validation: Any, num_proc: int, batch_size: int,
+                    val_batch_size: int | None, partitions_per_process: int) -> None:
+    for name, value in (("num_proc", num_proc), ("batch_size", batch_size),
+                        ("partitions_per_process", partitions_per_process),
+                        ("val_batch_size", val_batch_size or 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(validation, bool) or not (
+        validation is None or isinstance(validation, str)
+        or (isinstance(validation, float) and 0.0 < validation < 1.0)
+    ):
+        raise ConfigError(
+            "validation must be None, a float fraction in (0, 1) or the name of a 0/1 or "
+            f"boolean column, got {validation!r}"
+        )
+
+
+def _column_specs(df: Any, wanted: list[str], val_col: str | None) -> list[ColumnSpec]:
+    """Schema-only checks (no Spark job): presence and types of every column."""
+    from pyspark.ml.linalg import VectorUDT
+
+    fields = {f.name: f for f in df.schema.fields}
+    for name in wanted + ([val_col] if val_col else []):
+        if name not in fields:
+            raise DataError(
+                f"column {name!r} not found in the DataFrame; available columns: "
+                f"{', '.join(fields) or '(none)'}"
+            )
+    if val_col is not None and fields[val_col].dataType.typeName() not in _NUMERIC:
+        raise DataError(
+            f"validation column {val_col!r} has type {fields[val_col].dataType.simpleString()}; "
+            "it must be boolean or a number that is 0 (train) or 1 (validation)"
+        )
+    specs = []
+    for name in wanted:
+        dtype = fields[name].dataType
+        if isinstance(dtype, VectorUDT):
+            specs.append(ColumnSpec(name, "float32", (), "vector"))
+        elif dtype.typeName() in _NUMERIC:
+            specs.append(ColumnSpec(name, _NUMERIC[dtype.typeName()], (), "scalar"))
+        elif dtype.typeName() == "array" and dtype.elementType.typeName() in _NUMERIC:
+            specs.append(ColumnSpec(name, _NUMERIC[dtype.elementType.typeName()], (), "array"))
+        else:
+            raise DataError(
+                f"column {name!r} has type {dtype.simpleString()}; feature, label and weight "
+                "columns must be numbers, arrays of numbers or ML Vectors. Convert it first "
+                "(e.g. StringIndexer for strings, cast decimals to double, flatten structs)"
+            )
+    return specs
+
+
+def _select(df: Any, columns: list[ColumnSpec], validation: Any, seed: int) -> tuple[Any, Any]:
+    """Return (DataFrame of the stored columns + IS_VAL, the IS_VAL expression)."""
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
+
+    exprs = [
+        vector_to_array(F.col(c.name), "float32").alias(c.name) if c.kind == "vector"
+        else F.col(c.name)
+        for c in columns
+    ]
+    if validation is None:
+        is_val = F.lit(False)
+    elif isinstance(validation, str):
+        is_val = F.col(validation).cast("double") == 1.0
+        exprs.append(F.col(validation).alias("__hvd_spark_val_col"))
+    else:
+        is_val = F.rand(seed) < validation
+    return df.select(*exprs, is_val.alias(IS_VAL)), is_val
+
+
+def _aggregate(df: Any, columns: list[ColumnSpec], is_val: Any, val_col: str | None) -> dict:
+    """One Spark job: counts, nulls, array lengths, bad validation values, fingerprint."""
+    from pyspark.sql import functions as F
+
+    def count_if(cond: Any) -> Any:
+        return F.sum(F.when(cond, 1).otherwise(0))
+
+    aggs = [F.count(F.lit(1)).alias("n"), count_if(F.col(IS_VAL)).alias("val_rows")]
+    hashed = [F.col(c.name) for c in columns]
+    for i, c in enumerate(columns):
+        col = F.col(c.name)
+        aggs.append(count_if(col.isNull()).alias(f"null_{i}"))
+        if c.kind != "scalar":
+            aggs += [F.min(F.size(col)).alias(f"min_{i}"), F.max(F.size(col)).alias(f"max_{i}"),
+                     count_if(F.exists(col, lambda x: x.isNull())).alias(f"nullel_{i}")]
+    if val_col is not None:
+        val = F.col("__hvd_spark_val_col")
+        bad = val.isNull() | ~val.cast("double").isin(0.0, 1.0)
+        aggs += [count_if(bad).alias("val_bad"),
+                 F.min(F.when(bad, val.cast("double"))).alias("val_bad_min"),
+                 F.max(F.when(bad, val.cast("double"))).alias("val_bad_max")]
+        hashed.append(val)
+    # Order-independent content fingerprint; decimal avoids overflow of a long sum.
+    aggs.append(F.sum(F.xxhash64(*hashed).cast("decimal(38,0)")).alias("fingerprint"))
+    return df.agg(*aggs).collect()[0].asDict()
+
+
+def _check_stats(stats: dict, columns: list[ColumnSpec], validation: Any, num_proc: int,
+                 batch_size: int, val_batch_size: int) -> None:
+    n = stats["n"]
+    if n == 0:
+        raise DataError("the DataFrame is empty: there is nothing to train on")
+    nulls = {c.name: stats[f"null_{i}"] for i, c in enumerate(columns) if stats[f"null_{i}"]}
+    if nulls:
+        listed = ", ".join(f"{k!r} ({v} rows)" for k, v in nulls.items())
+        raise DataError(f"null values in column(s) {listed}; drop or fill them (df.na.drop/fill)")
+    for i, c in enumerate(columns):
+        if c.kind == "scalar":
+            continue
+        if stats[f"nullel_{i}"]:
+            raise DataError(f"column {c.name!r} has null elements inside {stats[f'nullel_{i}']} "
+                            "array(s); fill them first")
+        lo, hi = stats[f"min_{i}"], stats[f"max_{i}"]
+        if lo != hi:
+            raise DataError(f"column {c.name!r} has arrays of unequal length ({lo} to {hi}); "
+                            "every row must have the same length (pad or truncate them)")
+        if lo == 0:
+            raise DataError(f"column {c.name!r} holds empty arrays")
+    if stats.get("val_bad"):
+        raise DataError(
+            f"validation column {validation!r} has {stats['val_bad']} row(s) that are not 0/1 "
+            f"(null, or values from {stats['val_bad_min']} to {stats['val_bad_max']}); "
+            "use 1 (or true) for validation rows and 0 (or false) for training rows"
+        )
+    val_rows = stats["val_rows"] or 0
+    train_rows = n - val_rows
+    if train_rows < num_proc * batch_size:
+        raise DataError(
+            f"{train_rows} training rows are fewer than num_proc x batch_size = {num_proc} x "
+            f"{batch_size}: not one full batch per process. Use a smaller batch_size or "
+            "num_proc, a smaller validation share, or more data"
+        )
+    if validation is not None and val_rows < num_proc * val_batch_size:
+        raise DataError(
+            f"{val_rows} validation rows are fewer than num_proc x val_batch_size = {num_proc} "
+            f"x {val_batch_size}. Use a larger validation share or a smaller val_batch_size"
+        )
+
+
+def _with_shape(c: ColumnSpec, stats: dict, i: int) -> ColumnSpec:
+    if c.kind == "scalar":
+        return c
+    return ColumnSpec(c.name, c.dtype, (int(stats[f"min_{i}"]),), c.kind)
+
+
+def _cache_key(fingerprint: Any, columns: list[ColumnSpec], settings: dict) -> str:
+    payload = {
+        "version": SPEC_VERSION, "fingerprint": str(fingerprint), "settings": settings,
+        "columns": [[c.name, c.kind, c.dtype, list(c.shape)] for c in columns],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _cached_spec(store: Store, key: str) -> DatasetSpec | None:
+    """The committed spec of ``key`` if it exists and all its files are present."""
+    if not store.exists(store.spec_path(key)):
+        return None
+    try:
+        spec = DatasetSpec.from_json(store.read_bytes(store.spec_path(key)))
+    except (ValueError, KeyError, TypeError, ConfigError) as exc:
+        logger.warning("ignoring unreadable spec of dataset %s: %s", key, exc)
+        return None
+    files = [store.path(store.dataset_path(key), f) for f in spec.train.files + spec.val.files]
+    infos = store.filesystem.get_file_info(files) if files else []
+    if any(i.type != pafs.FileType.File for i in infos):
+        logger.warning("dataset %s is missing files; rewriting it", key)
+        return None
+    return spec
+
+
+def _splits(rows: list) -> dict[str, SplitSpec]:
+    by_split: dict[str, list[tuple[str, int]]] = {}
+    for row in rows:
+        by_split.setdefault(row["split"], []).append((row["file"], int(row["rows"])))
+    out = {}
+    for split, items in by_split.items():
+        items.sort()
+        out[split] = SplitSpec(
+            files=tuple(f for f, _ in items),
+            num_rows=sum(r for _, r in items),
+            file_rows=tuple(r for _, r in items),
+        )
+    return out
+
+
+class _ShardWriter:
+    """The ``mapInArrow`` function: writes one partition's train/val rows as Parquet files."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store = store
+        self.key = key
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        part = TaskContext.get().partitionId()
+        writers: dict[str, tuple[Any, Any, str, str]] = {}
+        counts = {"train": 0, "val": 0}
+        try:
+            for batch in batches:
+                mask = batch.column(IS_VAL)
+                data = pa.Table.from_batches([batch]).drop_columns(
+                    [c for c in (IS_VAL, "__hvd_spark_val_col") if c in batch.schema.names])
+                for split, rows in (("train", data.filter(pc.invert(mask))),
+                                    ("val", data.filter(mask))):
+                    if rows.num_rows == 0:
+                        continue
+                    if split not in writers:
+                        writers[split] = self._open(split, part, rows.schema)
+                    writers[split][1].write_table(rows)
+                    counts[split] += rows.num_rows
+        finally:
+            for stream, writer, _, _ in writers.values():
+                writer.close()
+                stream.close()
+        fs = self.store.filesystem
+        out = {"split": [], "file": [], "rows": []}
+        for split, (_, _, temp, final) in writers.items():
+            if temp != final:
+                fs.move(temp, final)  # publish only complete files
+            out["split"].append(split)
+            out["file"].append(posixpath.join(split, posixpath.basename(final)))
+            out["rows"].append(counts[split])
+        if out["split"]:
+            yield pa.RecordBatch.from_pydict(
+                out, schema=pa.schema([("split", pa.string()), ("file", pa.string()),
+                                       ("rows", pa.int64())]))
+
+    def _open(self, split: str, part: int, schema: pa.Schema) -> tuple[Any, Any, str, str]:
+        fs = self.store.filesystem
+        directory = self.store.path(self.store.data_path(self.key, split))
+        fs.create_dir(directory, recursive=True)
+        final = posixpath.join(directory, f"part-{part:05d}.parquet")
+        temp = final + ".tmp" if fs.type_name in ("local", "hdfs") else final
+        stream = fs.open_output_stream(temp)
+        return stream, pq.ParquetWriter(stream, schema), temp, final

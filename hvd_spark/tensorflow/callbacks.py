@@ -1,0 +1,160 @@
+"""Keras callbacks for data-parallel training: broadcast, metric averaging, LR warmup."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import keras
+import numpy as np
+
+from hvd_spark import collectives as C
+from hvd_spark.errors import ConfigError
+from hvd_spark.tensorflow.ops import broadcast_variables, check_same_everywhere
+
+log = logging.getLogger(__name__)
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Make every rank start from root's model and optimizer state.
+
+    Broadcasts at the start of training (``model.fit`` builds the optimizer before
+    that, so the first step already uses identical weights) and again after the
+    first batch if the optimizer created variables lazily in the meantime.
+
+    Args:
+        root_rank: The rank whose state the others take.
+        device: Accepted for Horovod compatibility; ignored.
+    """
+
+    def __init__(self, root_rank: int, device: str = "") -> None:
+        super().__init__()
+        del device
+        self.root_rank = int(root_rank)
+        self._done_with: int | None = None
+
+    def _variables(self) -> list:
+        variables = list(self.model.variables)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        return variables
+
+    def _broadcast(self) -> None:
+        variables = self._variables()
+        broadcast_variables(variables, self.root_rank, name="BroadcastGlobalVariablesCallback")
+        self._done_with = len(variables)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if C.size() > 1:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        # Optimizers that build at their first apply get their slots here.
+        if C.size() > 1 and self._done_with is not None and batch == 0:
+            if len(self._variables()) != self._done_with:
+                self._broadcast()
+            self._done_with = -1  # checked once per fit
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replace the epoch metrics in the logs by their average over all ranks.
+
+    Put it before callbacks that read the metrics (checkpoints, early stopping);
+    ``model.fit``'s History and progress bar always come after it.
+
+    Args:
+        device: Accepted for Horovod compatibility; ignored.
+    """
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+        del device
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is None or C.size() == 1:
+            return
+        keys = sorted(k for k, v in logs.items() if _is_number(v))
+        check_same_everywhere(keys, f"MetricAverageCallback.keys.{epoch}", "MetricAverageCallback")
+        values = np.array([float(logs[k]) for k in keys], np.float64)
+        averaged = C.allreduce(values, f"MetricAverageCallback.values.{epoch}", C.Average)
+        for key, value in zip(keys, averaged.tolist()):
+            logs[key] = value
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return np.ndim(value) == 0
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` (Goyal et al.).
+
+    At each batch of the first ``warmup_epochs`` epochs the rate is
+    ``initial_lr / size * (e * (size - 1) / warmup_epochs + 1)`` with ``e`` the
+    fractional epoch; afterwards it is left alone. With ``momentum_correction``, the
+    momentum buffers of SGD are scaled by new_lr / old_lr whenever the rate changes,
+    which is Goyal et al.'s correction (Keras 3 compiles the momentum coefficient into
+    the step as a constant, so the buffers are what can change per batch).
+
+    Args:
+        initial_lr: The target (already size-scaled) learning rate.
+        warmup_epochs: Number of epochs to ramp over.
+        momentum_correction: Apply the momentum correction.
+        steps_per_epoch: Batches per epoch; taken from ``model.fit``'s params if None.
+        verbose: 1 logs the rate at the end of warmup.
+    """
+
+    def __init__(self, initial_lr: float, warmup_epochs: float = 5,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
+                 verbose: int = 0) -> None:
+        super().__init__()
+        if warmup_epochs <= 0:
+            raise ConfigError(f"warmup_epochs must be > 0, got {warmup_epochs}")
+        self.initial_lr = float(initial_lr)
+        self.warmup_epochs = warmup_epochs
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self._epoch = 0
+
+    def _optimizer(self):
+        optimizer = self.model.optimizer
+        if isinstance(getattr(optimizer, "_learning_rate", None),
+                      keras.optimizers.schedules.LearningRateSchedule):
+            raise ConfigError(
+                "LearningRateWarmupCallback needs a float learning rate, not a "
+                "LearningRateSchedule; put the warmup into the schedule instead")
+        return optimizer
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.steps_per_epoch:
+            raise ConfigError(
+                "LearningRateWarmupCallback: pass steps_per_epoch (model.fit did not say)")
+        self._optimizer()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+
+    def _lr_at(self, epoch: float) -> float:
+        size = C.size()
+        return self.initial_lr / size * (epoch * (size - 1) / self.warmup_epochs + 1)
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        epoch = self._epoch + batch / self.steps_per_epoch
+        if epoch > self.warmup_epochs:
+            return
+        optimizer = self._optimizer()
+        old = float(np.asarray(optimizer.learning_rate))
+        new = self._lr_at(epoch)
+        optimizer.learning_rate = new
+        if self.momentum_correction and old > 0 and new != old:
+            for buffer in getattr(optimizer, "momentums", None) or []:
+                buffer.assign(buffer * (new / old))
+        if self.verbose and epoch + 1.0 / self.steps_per_epoch > self.warmup_epochs:
+            log.info("epoch %d: finished learning-rate warmup at %g", self._epoch, new)

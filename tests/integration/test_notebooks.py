@@ -1,0 +1,28 @@
+"""Every notebook under notebooks/ runs top to bottom in a real Jupyter kernel and
+asserts its own result (an assert in its last cell)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
+
+
+def test_there_is_a_notebook_per_entry_point():
+    names = {p.name for p in NOTEBOOKS}
+    assert {"spark_run.ipynb", "torch_estimator.ipynb", "keras_estimator.ipynb"} <= names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, tmp_path):
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "Error" not in outputs or "assert" not in outputs
+    last = nb.cells[-1]
+    assert last.cell_type == "code" and last.get("outputs") is not None
