@@ -108,10 +108,27 @@ def allreduce(
     right: Link,
     chunk_bytes: int,
 ) -> None:
-    """Ring all-reduce in place: reduce-scatter, then all-gather."""
+    """Ring all-reduce in place: reduce-scatter, then all-gather, block by block.
+
+    The buffer is processed in blocks of ``size`` chunks, each going through the
+    whole ring (reduce-scatter then all-gather) before the next. The message count
+    is the same as one pass over the whole buffer, but a chunk is sent on in the
+    all-gather while it is still in cache from being reduced, which saves a trip to
+    memory per byte.
+    """
     if size == 1 or buf.size == 0:
         return
-    segs = reduce_scatter(buf, op, rank, size, left, right, chunk_bytes)
+    block = size * max(1, chunk_bytes // buf.itemsize)
+    for lo in range(0, buf.size, block):
+        hi = min(buf.size, lo + block)
+        segs = [(lo + a, lo + b) for a, b in segments_of(even_counts(hi - lo, size))]
+        _ring_steps(buf, op, rank, size, left, right, chunk_bytes, segs)
+
+
+def _ring_steps(buf, op, rank, size, left, right, chunk_bytes, segs) -> None:
+    for step in range(size - 1):
+        _exchange(right, _chunks(buf, segs[(rank - step - 1) % size], chunk_bytes),
+                  left, _chunks(buf, segs[(rank - step - 2) % size], chunk_bytes), op)
     all_gather_segments(buf, segs, rank, size, left, right, chunk_bytes)
 
 
