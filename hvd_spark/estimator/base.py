@@ -66,7 +66,44 @@ class TrainSpec:
     extra: dict = dataclasses.field(default_factory=dict)
 
 
-class HvdEstimator(Estimator, KeywordParams, MLWritable, MLReadable):
+def make_readers(spec: TrainSpec, rank: int, size: int) -> tuple[Any, Any]:
+    """This rank's training reader and validation reader (None without validation data)."""
+    from hvd_spark.data.reader import ShardReader
+
+    ds = spec.dataset
+    cols = [*ds.feature_cols, *ds.label_cols]
+    if ds.sample_weight_col:
+        cols.append(ds.sample_weight_col)
+    train = ShardReader(ds, rank, size, spec.batch_size, split="train", columns=cols,
+                        shuffle=spec.shuffle, seed=spec.seed, steps_per_epoch=spec.train_steps)
+    val = None
+    if ds.val.num_rows:
+        val = ShardReader(ds, rank, size, spec.val_batch_size, split="val", columns=cols,
+                          shuffle=False, steps_per_epoch=spec.val_steps)
+    return train, val
+
+
+class PickledPersistence(MLWritable, MLReadable):
+    """save/load through PickledWriter/PickledReader; subclasses add their blobs."""
+
+    def write(self) -> PickledWriter:
+        return PickledWriter(self)
+
+    @classmethod
+    def read(cls) -> PickledReader:
+        return PickledReader(cls)
+
+    def _persisted_blobs(self) -> dict[str, bytes]:
+        return {}
+
+    def _blob_names(self) -> list[str]:
+        return []
+
+    def _restore_blobs(self, blobs: dict[str, bytes]) -> None:
+        pass
+
+
+class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
     """Base of KerasEstimator and TorchEstimator (not used directly)."""
 
     _param_specs = SHARED_PARAMS
@@ -184,29 +221,11 @@ class HvdEstimator(Estimator, KeywordParams, MLWritable, MLReadable):
                            run_id)
         return model
 
-    # ---------------------------------------------------------------- persistence
-
-    def write(self) -> PickledWriter:
-        return PickledWriter(self)
-
-    @classmethod
-    def read(cls) -> PickledReader:
-        return PickledReader(cls)
-
     def _init_empty(self) -> None:
         KeywordParams.__init__(self)
 
-    def _persisted_blobs(self) -> dict[str, bytes]:
-        return {}
 
-    def _blob_names(self) -> list[str]:
-        return []
-
-    def _restore_blobs(self, blobs: dict[str, bytes]) -> None:
-        pass
-
-
-class HvdModel(Model, KeywordParams, MLWritable, MLReadable):
+class HvdModel(Model, KeywordParams, PickledPersistence):
     """A trained model; ``transform`` adds prediction columns with batched inference."""
 
     _param_specs = [s for s in SHARED_PARAMS if s[0] in MODEL_PARAMS]
@@ -241,13 +260,6 @@ class HvdModel(Model, KeywordParams, MLWritable, MLReadable):
         return transform.predict_columns(
             df, self.value("featureCols"), self.output_columns(), self.output_shapes,
             self.model_bytes, self._predictor_factory(), self.value("batchSize"))
-
-    def write(self) -> PickledWriter:
-        return PickledWriter(self)
-
-    @classmethod
-    def read(cls) -> PickledReader:
-        return PickledReader(cls)
 
     def _init_empty(self) -> None:
         HvdModel.__init__(self)

@@ -17,7 +17,7 @@ import numpy as np
 
 from hvd_spark.errors import ConfigError
 from hvd_spark.estimator import history as hist
-from hvd_spark.estimator.base import HvdEstimator, HvdModel, TrainSpec, define
+from hvd_spark.estimator.base import HvdEstimator, HvdModel, TrainSpec, define, make_readers
 
 KERAS_PARAMS = [
     ("customObjects", "custom_objects needed to load the model", None, None),
@@ -135,7 +135,6 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
     import keras
 
     import hvd_spark.tensorflow as hvd
-    from hvd_spark.data.reader import ShardReader
 
     hvd.init()
     keras.utils.set_random_seed(spec.seed)
@@ -158,16 +157,9 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
         dist_opt.build(model.trainable_variables)
         for var, value in zip(dist_opt.variables, pickle.loads(saved["optimizer"])):
             var.assign(value)
-    cols = list(ds.feature_cols) + list(ds.label_cols)
-    if ds.sample_weight_col:
-        cols.append(ds.sample_weight_col)
-    reader = ShardReader(ds, hvd.rank(), hvd.size(), spec.batch_size, split="train",
-                         columns=cols, shuffle=spec.shuffle, seed=spec.seed,
-                         steps_per_epoch=spec.train_steps)
+    reader, val_reader = make_readers(spec, hvd.rank(), hvd.size())
     fit_kwargs: dict[str, Any] = {}
-    if ds.val.num_rows:
-        val_reader = ShardReader(ds, hvd.rank(), hvd.size(), spec.val_batch_size, split="val",
-                                 columns=cols, shuffle=False, steps_per_epoch=spec.val_steps)
+    if val_reader is not None:
         fit_kwargs = {"validation_data": _forever(val_reader, ds, 0),
                       "validation_steps": val_reader.steps_per_epoch}
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from hvd_spark.errors import ConfigError
 from hvd_spark.estimator import history as hist
-from hvd_spark.estimator.base import HvdEstimator, HvdModel, TrainSpec, define
+from hvd_spark.estimator.base import HvdEstimator, HvdModel, TrainSpec, define, make_readers
 
 TORCH_PARAMS = [
     ("inputShapes", "shape of each feature input per row, e.g. [[1, 8, 8]]", None, None),
@@ -125,7 +125,6 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     import torch
 
     import hvd_spark.torch as hvd
-    from hvd_spark.data.reader import ShardReader
 
     hvd.init()
     torch.manual_seed(spec.seed)
@@ -148,16 +147,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
         optimizer, named_parameters=model.named_parameters(),
         compression=spec.compression or hvd.Compression.none,
         backward_passes_per_step=spec.backward_passes_per_step)
-    cols = list(ds.feature_cols) + list(ds.label_cols)
-    if ds.sample_weight_col:
-        cols.append(ds.sample_weight_col)
-    reader = ShardReader(ds, hvd.rank(), hvd.size(), spec.batch_size, split="train",
-                         columns=cols, shuffle=spec.shuffle, seed=spec.seed,
-                         steps_per_epoch=spec.train_steps)
-    val_reader = None
-    if ds.val.num_rows:
-        val_reader = ShardReader(ds, hvd.rank(), hvd.size(), spec.val_batch_size, split="val",
-                                 columns=cols, shuffle=False, steps_per_epoch=spec.val_steps)
+    reader, val_reader = make_readers(spec, hvd.rank(), hvd.size())
 
     def run_epoch(source, epoch, train: bool) -> dict:
         sums: dict[str, float] = {}

@@ -64,16 +64,7 @@ def reduce_scatter(
         The segment ranges used.
     """
     segs = segments_of(counts if counts is not None else even_counts(buf.size, size))
-    for step in range(size - 1):
-        send_seg = segs[(rank - step - 1) % size]
-        recv_seg = segs[(rank - step - 2) % size]
-        _exchange(
-            right,
-            _chunks(buf, send_seg, chunk_bytes),
-            left,
-            _chunks(buf, recv_seg, chunk_bytes),
-            op,
-        )
+    _reduce_scatter_steps(buf, op, rank, size, left, right, chunk_bytes, segs)
     return segs
 
 
@@ -125,10 +116,15 @@ def allreduce(
         _ring_steps(buf, op, rank, size, left, right, chunk_bytes, segs)
 
 
-def _ring_steps(buf, op, rank, size, left, right, chunk_bytes, segs) -> None:
+def _reduce_scatter_steps(buf, op, rank, size, left, right, chunk_bytes, segs) -> None:
+    """size-1 steps after which segment ``rank`` is reduced over all ranks."""
     for step in range(size - 1):
         _exchange(right, _chunks(buf, segs[(rank - step - 1) % size], chunk_bytes),
                   left, _chunks(buf, segs[(rank - step - 2) % size], chunk_bytes), op)
+
+
+def _ring_steps(buf, op, rank, size, left, right, chunk_bytes, segs) -> None:
+    _reduce_scatter_steps(buf, op, rank, size, left, right, chunk_bytes, segs)
     all_gather_segments(buf, segs, rank, size, left, right, chunk_bytes)
 
 
