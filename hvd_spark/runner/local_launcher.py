@@ -23,6 +23,7 @@ from typing import IO, Any
 import cloudpickle
 
 from hvd_spark import _env
+from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.runner import worker
@@ -165,11 +166,12 @@ class LocalJob:
                     os.killpg(proc.pid, sig)
 
     def close(self) -> None:
-        """Kill anything still running and stop the store."""
+        """Kill anything still running, remove what killed ranks left, stop the store."""
         self._signal_all(signal.SIGKILL)
         for proc in self.procs:
             with contextlib.suppress(Exception):
                 proc.wait(5)
+        remove_segments(job_tag(self.secret))
         self.store.close()
 
     def __enter__(self) -> LocalJob:

@@ -25,6 +25,7 @@ from typing import IO, Any
 
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner.driver_service import EXIT, LOG, REGISTER, STOP_KEY, TASK_ERROR
@@ -220,8 +221,15 @@ def run_task(spec: TaskSpec, partition: int, gpus: list[str] | None) -> int:
             _kill_group(proc, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(_KILL_GRACE_S)
+            if _failed(proc):
+                remove_segments(job_tag(spec.secret))
     finally:
         client.close()
+
+
+def _failed(proc: subprocess.Popen) -> bool:
+    """True when the rank did not exit cleanly (it may have left a shm segment behind)."""
+    return proc.returncode is None or proc.returncode != 0
 
 
 def _task_gpus(context: Any, use_gpu: bool) -> list[str] | None:

@@ -81,10 +81,16 @@ def test_mismatches_raise_on_every_rank_and_engine_survives():
         assert errors[5] == "[2.0, 2.0]"
 
 
+def _shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("hvd_spark_")}
+
+
 def test_failure_names_rank_with_remote_traceback():
+    before = _shm_files()
     start = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
         run_local(jobs.raise_on_rank_one, num_proc=3)
+    assert _shm_files() <= before, "a failed job must not leave shared-memory files behind"
     err = info.value
     assert err.root_cause.rank == 1
     assert "boom from rank one" in str(err) and "raise_on_rank_one" in str(err)

@@ -67,3 +67,15 @@ def test_parse_addr():
     assert wire.parse_addr("[::1]:5") == ("::1", 5)
     with pytest.raises(ValueError):
         wire.parse_addr("nohost")
+
+
+def test_remove_segments_only_touches_the_job(tmp_path, monkeypatch):
+    from hvd_spark.collectives.tcp import shm
+
+    monkeypatch.setattr(shm, "_shm_dir", lambda: str(tmp_path))
+    mine, other = shm.job_tag(b"a" * 32), shm.job_tag(b"b" * 32)
+    assert mine != other and len(mine) == 12
+    for name in (f"hvd_spark_{mine}_1_x", f"hvd_spark_{mine}_2_y", f"hvd_spark_{other}_1_z"):
+        (tmp_path / name).write_bytes(b"")
+    assert shm.remove_segments(mine) == 2
+    assert [p.name for p in tmp_path.iterdir()] == [f"hvd_spark_{other}_1_z"]

@@ -13,7 +13,7 @@ from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.tcp import ring
 from hvd_spark.collectives.tcp.links import Link, TcpLink
-from hvd_spark.collectives.tcp.shm import negotiate_shm
+from hvd_spark.collectives.tcp.shm import job_tag, negotiate_shm
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class TcpCommunicator(Communicator):
         data_socks: dict[int, socket.socket],
         chunk_bytes: int,
         use_shm: bool = True,
+        shm_tag: str = "job",
     ) -> None:
         self.rank, self.size = rank, size
         self.chunk_bytes = chunk_bytes
@@ -48,7 +49,7 @@ class TcpCommunicator(Communicator):
         for peer in sorted(data_socks):
             sock = data_socks[peer]
             shm = use_shm and peer in neighbours
-            link = negotiate_shm(sock, peer, chunk_bytes) if shm else None
+            link = negotiate_shm(sock, peer, chunk_bytes, tag=shm_tag) if shm else None
             self.links[peer] = link if link is not None else TcpLink(sock, peer)
         self.shm_peers = sorted(p for p, ln in self.links.items() if not isinstance(ln, TcpLink))
         # With one rank there are no neighbours; every algorithm returns before using them.
@@ -96,4 +97,5 @@ class TcpCommunicator(Communicator):
 
 def create(world, config, data_socks: dict[int, socket.socket]) -> TcpCommunicator:
     """Registry factory: a TcpCommunicator over the mesh's data sockets."""
-    return TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm)
+    return TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm,
+                           shm_tag=job_tag(world.secret))

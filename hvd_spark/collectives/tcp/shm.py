@@ -11,6 +11,9 @@ nothing is left behind even if a rank is killed.
 from __future__ import annotations
 
 import collections
+import contextlib
+import glob
+import hashlib
 import logging
 import mmap
 import os
@@ -169,9 +172,28 @@ class ShmLink(Link):
         self._out = self._in = None  # type: ignore[assignment]
 
 
-def _create_segment(size: int) -> tuple[str, bytes, mmap.mmap]:
+def job_tag(secret: bytes) -> str:
+    """A short public tag of a job (derived from, not revealing, its secret)."""
+    return hashlib.sha256(b"shm-tag" + secret).hexdigest()[:12]
+
+
+def remove_segments(tag: str) -> int:
+    """Unlink the job's segment files a killed rank may have left; returns how many.
+
+    Segments are unlinked as soon as both sides mapped them; only a rank killed in
+    that window leaves one, so launchers call this when a job ends.
+    """
+    removed = 0
+    for path in glob.glob(os.path.join(_shm_dir(), f"hvd_spark_{tag}_*")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed += 1
+    return removed
+
+
+def _create_segment(size: int, tag: str) -> tuple[str, bytes, mmap.mmap]:
     token = os.urandom(_TOKEN_BYTES)
-    path = os.path.join(_shm_dir(), f"hvd_spark_{os.getpid()}_{token.hex()[:16]}")
+    path = os.path.join(_shm_dir(), f"hvd_spark_{tag}_{os.getpid()}_{token.hex()[:16]}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -200,17 +222,19 @@ def _open_segment(path: str, token: bytes, size: int) -> mmap.mmap | None:
 
 
 def negotiate_shm(
-    sock: socket.socket, peer: int, slot_bytes: int, nslots: int = DEFAULT_SLOTS
+    sock: socket.socket, peer: int, slot_bytes: int, nslots: int = DEFAULT_SLOTS,
+    tag: str = "job",
 ) -> ShmLink | None:
     """Try to set up a ShmLink with ``peer`` over its authenticated socket.
 
     Both sides call this at the same point; it returns a link only if both could
     map each other's segment (same host, same /dev/shm), else None on both sides.
+    ``tag`` (see ``job_tag``) names the files so a launcher can remove leftovers.
     """
     size = _DATA_OFFSET + slot_bytes * nslots
     what = f"rank {peer}"
     try:
-        path, token, out_map = _create_segment(size)
+        path, token, out_map = _create_segment(size, tag)
     except OSError as exc:
         log.info("no shared memory with rank %d (%s); using TCP", peer, exc)
         path, token, out_map = "", b"", None
