@@ -23,12 +23,12 @@ MODES = ("hvd_spark", "ddp")
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hvd_spark.bench torch", description=__doc__)
     p.add_argument("--np", type=int, default=2, help="number of local ranks")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per model and mode")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per model and mode")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--models", default="conv,mlp", help="comma-separated: conv, mlp")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--rounds", type=int, default=2,
+    p.add_argument("--rounds", type=int, default=3,
                    help="alternate the two modes this many times; the best round counts")
     return p.parse_args(argv)
 

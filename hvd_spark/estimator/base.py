@@ -21,7 +21,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator import transform
+from hvd_spark.estimator import progress, transform
 from hvd_spark.estimator.params import MODEL_PARAMS, SHARED_PARAMS, KeywordParams, define_params
 from hvd_spark.estimator.persistence import PickledReader, PickledWriter
 
@@ -201,8 +201,11 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             verbose=self.value("verbose"), use_gpu=self.value("useGpu"),
             extra=self._extra(),
         )
+        stdout = None
+        if self.value("verbose") >= 1 and progress.in_notebook():
+            stdout = progress.NotebookProgress(spec.epochs)
         results = run(self._worker(), args=(spec, self._payload()), num_proc=num_proc,
-                      env=self._worker_env(), use_gpu=self.value("useGpu"),
+                      env=self._worker_env(), stdout=stdout, use_gpu=self.value("useGpu"),
                       verbose=self.value("verbose"))
         return self._make_model(results[0], run_id)
 

@@ -26,3 +26,7 @@ def test_notebook_runs(path, tmp_path):
     assert "Error" not in outputs or "assert" not in outputs
     last = nb.cells[-1]
     assert last.cell_type == "code" and last.get("outputs") is not None
+    if "estimator" in path.stem:
+        bars = [o["data"]["text/plain"] for c in nb.cells for o in c.get("outputs", [])
+                if o.get("output_type") == "display_data" and "epochs" in str(o.get("data"))]
+        assert bars and "4/4 epochs" in bars[-1], "the progress bar must reach the last epoch"

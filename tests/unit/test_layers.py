@@ -27,3 +27,4 @@ def test_import_contracts_hold():
     out = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "0 broken" in out.stdout
+
