@@ -4,10 +4,14 @@
 cols`` float32 values as Parquet files with pyarrow in a temporary directory (no Spark),
 then times, on the same files:
 
-- plain: ``pyarrow.dataset`` ``to_batches(use_threads=False)``, each batch stacked into one
-  2-D float32 numpy array;
-- hvd_spark: ``ShardReader(rank=0, size=1, shuffle=True)``, each batch's columns stacked
-  into one 2-D float32 numpy array (the same materialization).
+- plain: ``pyarrow.dataset`` ``to_batches(use_threads=False)``, each batch turned into
+  numpy arrays, one per column (what a training loop is handed);
+- hvd_spark: ``ShardReader(rank=0, size=1, shuffle=True)``, whose batches already are one
+  numpy array per column.
+
+``--matrix`` also stacks every batch's columns into one 2-D float32 array on both sides:
+the same extra consumer work for each, which dilutes the ratio (it runs in the consumer's
+thread and takes about as long as the decoding).
 
 Each is run ``--repeat`` times (the files stay in the page cache) and the best is kept.
 """
@@ -43,23 +47,27 @@ def write_files(directory: str, rows: int, cols: int, files: int, row_group: int
     return paths
 
 
-def plain_scan(paths: list[str], cols: list[str], batch_size: int) -> int:
-    """Single-threaded pyarrow.dataset scan to 2-D numpy; returns rows read."""
+def plain_scan(paths: list[str], cols: list[str], batch_size: int, matrix: bool) -> int:
+    """Single-threaded pyarrow.dataset scan to numpy batches; returns rows read."""
     rows = 0
     dataset = ds.dataset(paths, format="parquet")
     for rb in dataset.to_batches(columns=cols, batch_size=batch_size, use_threads=False):
-        matrix = np.stack([rb.column(i).to_numpy() for i in range(rb.num_columns)], axis=1)
-        rows += matrix.shape[0]
+        arrays = [rb.column(i).to_numpy() for i in range(rb.num_columns)]
+        if matrix:
+            arrays = np.stack(arrays, axis=1)
+        rows += rb.num_rows
     return rows
 
 
-def reader_scan(paths: list[str], cols: list[str], batch_size: int, threads: int) -> int:
-    """ShardReader with shuffle to 2-D numpy; returns rows read."""
+def reader_scan(paths: list[str], cols: list[str], batch_size: int, threads: int,
+                matrix: bool) -> int:
+    """ShardReader with shuffle to numpy batches; returns rows read."""
     reader = ShardReader(paths, 0, 1, batch_size, columns=cols, shuffle=True, num_threads=threads)
     rows = 0
     for batch in reader.epoch(0):
-        matrix = np.stack([batch[c] for c in cols], axis=1)
-        rows += matrix.shape[0]
+        if matrix:
+            np.stack([batch[c] for c in cols], axis=1)
+        rows += len(batch[cols[0]])
     return rows
 
 
@@ -82,18 +90,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--matrix", action="store_true",
+                        help="also stack each batch into one 2-D array (both sides)")
     args = parser.parse_args(argv)
     cols = [f"f{i:03d}" for i in range(args.cols)]
     with tempfile.TemporaryDirectory(prefix="hvd_spark-reader-bench-") as tmp:
         paths = write_files(tmp, args.rows, args.cols, args.files, args.row_group)
-        plain_s, plain_rows = _best(lambda: plain_scan(paths, cols, args.batch_size), args.repeat)
+        plain_s, plain_rows = _best(
+            lambda: plain_scan(paths, cols, args.batch_size, args.matrix), args.repeat)
         ours_s, ours_rows = _best(
-            lambda: reader_scan(paths, cols, args.batch_size, args.threads), args.repeat
-        )
+            lambda: reader_scan(paths, cols, args.batch_size, args.threads, args.matrix),
+            args.repeat)
     plain_rate, ours_rate = plain_rows / plain_s, ours_rows / ours_s
     print(
         f"{args.rows} rows x {args.cols} float32 cols, {args.files} files, row groups of "
-        f"{args.row_group}, batch {args.batch_size}, {os.cpu_count()} CPUs, best of {args.repeat}"
+        f"{args.row_group}, batch {args.batch_size}, {os.cpu_count()} CPUs, best of {args.repeat}, "
+        f"batches as {'one 2-D array' if args.matrix else 'one numpy array per column'}"
     )
     print(f"{'reader':32s} {'rows':>9s} {'seconds':>8s} {'M rows/s':>9s} {'ratio':>6s}")
     print(f"{'plain pyarrow.dataset (1 thread)':32s} {plain_rows:9d} {plain_s:8.3f} "
