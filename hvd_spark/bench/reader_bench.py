@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=16)
     parser.add_argument("--row-group", type=int, default=32_768)
     parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--threads", type=int, default=4,
+                        help="decode threads (the reader's default)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--matrix", action="store_true",
                         help="also stack each batch into one 2-D array (both sides)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import posixpath
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -223,9 +223,10 @@ class ShardReader:
 
     def _batches(self, epoch: int) -> Iterator[Batch]:
         rng = np.random.default_rng([self.seed, epoch, self.rank, 1]) if self.shuffle else None
-        chunks = self._decoded(self.shard_plan(epoch))
+        tables = self._decoded(self.shard_plan(epoch))
         produced = 0
-        for batch in _rebatch(chunks, self.batch_size, self.shuffle_buffer_size, rng):
+        convert = lambda table: table_to_numpy(table, self.columns, self._shapes)  # noqa: E731
+        for batch in _rebatch(tables, convert, self.batch_size, self.shuffle_buffer_size, rng):
             yield batch
             produced += 1
             if produced == self.steps_per_epoch:
@@ -234,7 +235,7 @@ class ShardReader:
             f"rank {self.rank}: epoch {epoch} produced {produced} of {self.steps_per_epoch} batches"
         )
 
-    def _decoded(self, plan: list[tuple[int, int, int]]) -> Iterator[Batch]:
+    def _decoded(self, plan: list[tuple[int, int, int]]) -> Iterator[pa.Table]:
         executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="hvd_spark-decode")
         pending: list[Future] = []
         todo = iter(plan)
@@ -252,12 +253,12 @@ class ShardReader:
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
 
-    def _read_piece(self, index: int, offset: int, length: int) -> Batch:
+    def _read_piece(self, index: int, offset: int, length: int) -> pa.Table:
         fragment, group, _ = self._pieces[index]
         table = fragment.subset(row_group_ids=[group]).to_table(
             columns=self.columns, use_threads=False
         )
-        return table_to_numpy(table.slice(offset, length), self.columns, self._shapes)
+        return table.slice(offset, length)
 
 
 def table_to_numpy(
@@ -294,33 +295,33 @@ def table_to_numpy(
 
 
 def _rebatch(
-    chunks: Iterator[Batch], batch_size: int, buffer_size: int, rng: np.random.Generator | None
+    tables: Iterator[pa.Table], convert: Callable[[pa.Table], Batch], batch_size: int,
+    buffer_size: int, rng: np.random.Generator | None,
 ) -> Iterator[Batch]:
-    """Cut chunks into batches, mixing rows through a shuffle buffer when ``rng`` is given."""
+    """Cut decoded row groups into batches, mixing rows through a shuffle buffer.
+
+    The buffer is an Arrow table (appending is zero-copy) and one ``Table.take`` per
+    buffer shuffles it in C++ without holding the GIL, so the gather overlaps the
+    decode threads and the training loop. Each buffer is converted to numpy once;
+    batches are views of it.
+    """
     keep = buffer_size // 2 if rng is not None else 0
     threshold = batch_size + (buffer_size if rng is not None else 0)
-    pool: Batch | None = None
-    for chunk in chunks:
-        if pool is None:
-            pool = chunk
-        else:
-            pool = {k: np.concatenate((pool[k], chunk[k])) for k in pool}
-        n = _rows(pool)
+    pool: pa.Table | None = None
+    for table in tables:
+        pool = table if pool is None else pa.concat_tables([pool, table])
+        n = pool.num_rows
         if n < threshold:
             continue
         if rng is not None:
-            pool = _permuted(pool, rng.permutation(n))
+            pool = pool.take(rng.permutation(n))
         count = (n - keep) // batch_size
-        yield from _slices(pool, batch_size, count)
-        pool = {k: v[count * batch_size:] for k, v in pool.items()}
-    if pool is not None and _rows(pool) >= batch_size:
+        yield from _slices(convert(pool.slice(0, count * batch_size)), batch_size, count)
+        pool = pool.slice(count * batch_size)
+    if pool is not None and pool.num_rows >= batch_size:
         if rng is not None:
-            pool = _permuted(pool, rng.permutation(_rows(pool)))
-        yield from _slices(pool, batch_size, _rows(pool) // batch_size)
-
-
-def _permuted(pool: Batch, perm: np.ndarray) -> Batch:
-    return {k: np.take(v, perm, axis=0) for k, v in pool.items()}
+            pool = pool.take(rng.permutation(pool.num_rows))
+        yield from _slices(convert(pool), batch_size, pool.num_rows // batch_size)
 
 
 def _slices(pool: Batch, batch_size: int, count: int) -> Iterator[Batch]:
