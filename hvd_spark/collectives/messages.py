@@ -47,10 +47,6 @@ class Request:
         """Bytes of the tensor on this rank."""
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
-    def describe(self) -> str:
-        """A short human description used in error messages."""
-        return f"{self.kind} {self.name!r}"
-
 
 @dataclasses.dataclass(frozen=True)
 class Response:

@@ -58,12 +58,6 @@ def snake(name: str) -> str:
     return re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), name)
 
 
-def camel(name: str) -> str:
-    """``num_proc`` -> ``numProc``."""
-    head, *rest = name.split("_")
-    return head + "".join(p.capitalize() for p in rest)
-
-
 def define_params(cls: type, specs: list[tuple[str, str, Any, Any]]) -> type:
     """Attach each Param and its ``setX``/``getX`` accessors to ``cls``."""
     for name, doc, converter, _ in specs:

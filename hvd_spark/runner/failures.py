@@ -6,7 +6,7 @@ import dataclasses
 import time
 import traceback
 
-from hvd_spark.errors import PeerDisconnectedError, WorkerFailedError
+from hvd_spark.errors import PeerDisconnectedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,3 @@ class WorkerFailure:
         return cls(rank=rank, host=host, message=f"process {how}", secondary=torn_down)
 
 
-def raise_if_failed(failures: list[WorkerFailure]) -> None:
-    """Raise WorkerFailedError when there is any failure."""
-    if failures:
-        raise WorkerFailedError(failures)

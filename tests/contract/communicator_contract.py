@@ -16,27 +16,12 @@ from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.errors import CollectiveError
+from tests.threads import run_on_threads
 
 
 def run_parallel(comms: list[Communicator], fn) -> list:
     """Run ``fn(comm)`` on every communicator in its own thread; re-raise errors."""
-    results: list = [None] * len(comms)
-    errors: list = []
-
-    def body(i):
-        try:
-            results[i] = fn(comms[i])
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(comms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return results
+    return run_on_threads(comms, fn)
 
 
 class CommunicatorContract:

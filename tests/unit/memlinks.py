@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import queue
-import threading
 
 import numpy as np
 
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.tcp.links import Link
+from tests.threads import run_on_threads
 
 
 class MemoryLink(Link):
@@ -57,20 +57,4 @@ def full_mesh(size: int) -> list[dict[int, MemoryLink]]:
 def run_ranks(size: int, fn) -> list:
     """Run ``fn(rank, links)`` on ``size`` threads; re-raise the first error."""
     mesh = full_mesh(size)
-    results: list = [None] * size
-    errors: list = []
-
-    def body(rank):
-        try:
-            results[rank] = fn(rank, mesh[rank])
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return results
+    return run_on_threads(range(size), lambda rank: fn(rank, mesh[rank]), timeout=60)

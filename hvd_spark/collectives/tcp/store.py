@@ -49,10 +49,6 @@ class StoreServer:
         """The port the server listens on."""
         return self._listener.getsockname()[1]
 
-    def add_handler(self, name: str, fn: Handler) -> None:
-        """Register a request kind served by ``fn``."""
-        self._handlers[name] = fn
-
     def set(self, key: str, value: Any) -> None:
         """Set a key from the server's own process."""
         with self._cond:
