@@ -173,8 +173,8 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         spark = df.sparkSession
         num_proc = self.value("numProc") or spark.sparkContext.defaultParallelism
         store = self._store()
+        # A generated id is not stored on the estimator: fitting it again starts afresh.
         run_id = self.value("runId") or f"run_{uuid.uuid4().hex[:12]}"
-        self._set(runId=run_id)
         dataset = writer.prepare_data(
             df, store,
             feature_cols=self.value("featureCols"),

@@ -95,6 +95,8 @@ def test_torch_in_pipeline_saves_and_loads(frames, tmp_path):
     raw_train = train.drop("features")
     est = _torch_estimator(tmp_path, epochs=1, output_cols=["scores"])
     fitted = Pipeline(stages=[assemble, est]).fit(raw_train)
+    assert est.getRunId() is None, "a generated run id must not make the next fit resume"
+    assert fitted.stages[-1].run_id.startswith("run_")
     fitted.write().overwrite().save(str(tmp_path / "pipe"))
     loaded = PipelineModel.load(str(tmp_path / "pipe"))
     raw_test = test.drop("features")
