@@ -2,7 +2,9 @@
 
 ``python -m hvd_spark.bench reader [--rows 1000000 --cols 100 ...]`` writes ``rows x
 cols`` float32 values as Parquet files with pyarrow in a temporary directory (no Spark),
-then times, on the same files:
+in the layout ``prepare_data`` writes (required columns, no dictionary for floating
+point; ``--pyarrow-defaults`` keeps pyarrow's: nullable, dictionary-encoded), then times,
+on the same files:
 
 - plain: ``pyarrow.dataset`` ``to_batches(use_threads=False)``, each batch turned into
   numpy arrays, one per column (what a training loop is handed);
@@ -13,7 +15,9 @@ then times, on the same files:
 the same extra consumer work for each, which dilutes the ratio (it runs in the consumer's
 thread and takes about as long as the decoding).
 
-Each is run ``--repeat`` times (the files stay in the page cache) and the best is kept.
+The two alternate for ``--repeat`` rounds (the files stay in the page cache), so both see
+the same machine load; the best and the median of each are printed, and the ratios
+compare like with like.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from hvd_spark.data.reader import ShardReader
+from hvd_spark.data.writer import dictionary_columns, storage_schema
 
 
-def write_files(directory: str, rows: int, cols: int, files: int, row_group: int) -> list[str]:
+def write_files(directory: str, rows: int, cols: int, files: int, row_group: int,
+                pyarrow_defaults: bool = False) -> list[str]:
     """Write ``rows x cols`` random float32 values as ``files`` Parquet files; return paths."""
     rng = np.random.default_rng(0)
     names = [f"f{i:03d}" for i in range(cols)]
@@ -42,7 +48,11 @@ def write_files(directory: str, rows: int, cols: int, files: int, row_group: int
         data = rng.random((cols, n), dtype=np.float32)
         table = pa.table(dict(zip(names, data)))
         path = os.path.join(directory, f"part-{i:05d}.parquet")
-        pq.write_table(table, path, row_group_size=row_group)
+        options = {}
+        if not pyarrow_defaults:  # the layout prepare_data writes
+            table = table.cast(storage_schema(table.schema))
+            options["use_dictionary"] = dictionary_columns(table.schema)
+        pq.write_table(table, path, row_group_size=row_group, **options)
         paths.append(path)
     return paths
 
@@ -59,7 +69,7 @@ def plain_scan(paths: list[str], cols: list[str], batch_size: int, matrix: bool)
     return rows
 
 
-def reader_scan(paths: list[str], cols: list[str], batch_size: int, threads: int,
+def reader_scan(paths: list[str], cols: list[str], batch_size: int, threads: int | None,
                 matrix: bool) -> int:
     """ShardReader with shuffle to numpy batches; returns rows read."""
     reader = ShardReader(paths, 0, 1, batch_size, columns=cols, shuffle=True, num_threads=threads)
@@ -71,13 +81,16 @@ def reader_scan(paths: list[str], cols: list[str], batch_size: int, threads: int
     return rows
 
 
-def _best(fn, repeat: int) -> tuple[float, int]:
-    best, rows = float("inf"), 0
+def _alternate(fns: list, repeat: int) -> list[tuple[list[float], int]]:
+    """Run each of ``fns`` once per round, ``repeat`` rounds; per fn: (sorted times, rows)."""
+    times: list[list[float]] = [[] for _ in fns]
+    rows = [0] * len(fns)
     for _ in range(repeat):
-        start = time.perf_counter()
-        rows = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, rows
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            rows[i] = fn()
+            times[i].append(time.perf_counter() - start)
+    return [(sorted(t), r) for t, r in zip(times, rows)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,29 +101,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", type=int, default=16)
     parser.add_argument("--row-group", type=int, default=32_768)
     parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--threads", type=int, default=4,
-                        help="decode threads (the reader's default)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="decode threads; default: the reader's, min(4, CPUs)")
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--matrix", action="store_true",
                         help="also stack each batch into one 2-D array (both sides)")
+    parser.add_argument("--pyarrow-defaults", action="store_true",
+                        help="write the files with pyarrow's default encodings")
     args = parser.parse_args(argv)
     cols = [f"f{i:03d}" for i in range(args.cols)]
     with tempfile.TemporaryDirectory(prefix="hvd_spark-reader-bench-") as tmp:
-        paths = write_files(tmp, args.rows, args.cols, args.files, args.row_group)
-        plain_s, plain_rows = _best(
-            lambda: plain_scan(paths, cols, args.batch_size, args.matrix), args.repeat)
-        ours_s, ours_rows = _best(
+        paths = write_files(tmp, args.rows, args.cols, args.files, args.row_group,
+                            args.pyarrow_defaults)
+        (plain_t, plain_rows), (ours_t, ours_rows) = _alternate([
+            lambda: plain_scan(paths, cols, args.batch_size, args.matrix),
             lambda: reader_scan(paths, cols, args.batch_size, args.threads, args.matrix),
-            args.repeat)
-    plain_rate, ours_rate = plain_rows / plain_s, ours_rows / ours_s
+        ], args.repeat)
+    threads = args.threads or min(4, os.cpu_count() or 1)
     print(
         f"{args.rows} rows x {args.cols} float32 cols, {args.files} files, row groups of "
-        f"{args.row_group}, batch {args.batch_size}, {os.cpu_count()} CPUs, best of {args.repeat}, "
-        f"batches as {'one 2-D array' if args.matrix else 'one numpy array per column'}"
+        f"{args.row_group}, {'pyarrow default' if args.pyarrow_defaults else 'prepare_data'} "
+        f"encodings, batch {args.batch_size}, {os.cpu_count()} CPUs, {args.repeat} alternating "
+        f"rounds, batches as {'one 2-D array' if args.matrix else 'one numpy array per column'}"
     )
-    print(f"{'reader':32s} {'rows':>9s} {'seconds':>8s} {'M rows/s':>9s} {'ratio':>6s}")
-    print(f"{'plain pyarrow.dataset (1 thread)':32s} {plain_rows:9d} {plain_s:8.3f} "
-          f"{plain_rate / 1e6:9.3f} {1.0:6.2f}")
-    print(f"{f'ShardReader shuffle ({args.threads} thr)':32s} {ours_rows:9d} {ours_s:8.3f} "
-          f"{ours_rate / 1e6:9.3f} {ours_rate / plain_rate:6.2f}")
+    print(f"{'reader':32s} {'rows':>9s} {'best s':>7s} {'median s':>9s} {'M rows/s':>9s} "
+          f"{'ratio best':>10s} {'ratio median':>12s}")
+    mid = args.repeat // 2
+    for label, t, rows in (("plain pyarrow.dataset (1 thread)", plain_t, plain_rows),
+                           (f"ShardReader shuffle ({threads} thr)", ours_t, ours_rows)):
+        best_ratio = (plain_t[0] / plain_rows) / (t[0] / rows)
+        median_ratio = (plain_t[mid] / plain_rows) / (t[mid] / rows)
+        print(f"{label:32s} {rows:9d} {t[0]:7.3f} {t[mid]:9.3f} {rows / t[0] / 1e6:9.3f} "
+              f"{best_ratio:10.2f} {median_ratio:12.2f}")
     return 0

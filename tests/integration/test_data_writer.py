@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pyarrow.parquet as pq
 import pyspark  # noqa: F401 - CI installs it: never a skip
 import pytest
 
@@ -63,6 +64,18 @@ def test_types_validation_column_cache_and_read_back(df, tmp_path):
     assert sorted(seen) == [i for i in range(64) if i % 4]
     val_ids = [i for b in ShardReader(spec, 0, 1, 4, split="val").epoch(0) for i in b["id"]]
     assert sorted(val_ids) == list(range(0, 64, 4))
+
+    # Columns are stored as required (no nulls were let through); floating-point ones
+    # without a dictionary page, integer ones with.
+    base = store.path(store.dataset_path(spec.key))
+    stored = pq.read_schema(os.path.join(base, spec.train.files[0]))
+    assert not any(f.nullable for f in stored), stored
+    assert not stored.field("arr").type.value_field.nullable
+    meta = pq.read_metadata(os.path.join(base, spec.train.files[0])).row_group(0)
+    encodings = {meta.column(i).path_in_schema: meta.column(i).encodings
+                 for i in range(meta.num_columns)}
+    dictionary = {path for path, enc in encodings.items() if "RLE_DICTIONARY" in enc}
+    assert dictionary == {"id", "arr.list.element", "y"}, encodings
 
     # Same data and settings: reused, nothing rewritten. A boolean column gives the same split.
     before = mtimes(store, spec)

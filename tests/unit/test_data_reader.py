@@ -52,7 +52,7 @@ def test_shards_are_disjoint_complete_and_equal_steps(files, size, shuffle):
     for epoch in (0, 1):
         # The plans split all N rows between the ranks, without overlap.
         planned = [i for reader in readers for piece in reader.shard_plan(epoch)
-                   for i in reader._read_piece(*piece).column("id").to_pylist()]
+                   for i in reader._read_piece(*piece)["id"].tolist()]
         assert sorted(planned) == list(range(N))
         # Every rank yields exactly `steps` full batches of distinct rows.
         seen = []
