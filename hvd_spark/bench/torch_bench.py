@@ -28,6 +28,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--models", default="conv,mlp", help="comma-separated: conv, mlp")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda: every rank on GPU local_rank %% count (DDP on Gloo "
+                        "then reduces CUDA tensors too)")
     p.add_argument("--rounds", type=int, default=3,
                    help="alternate the two modes this many times; the best round counts")
     return p.parse_args(argv)
@@ -70,20 +73,24 @@ def _time_mode(kind: str, mode: str, cfg: argparse.Namespace) -> float:
 
     import hvd_spark.torch as hvd
 
+    device = _device(cfg.device, hvd.local_rank())
     model, make_input = _build(kind)
-    x, y = make_input(cfg.batch), torch.randint(0, 10, (cfg.batch,))
+    model = model.to(device)
+    x, y = make_input(cfg.batch).to(device), torch.randint(0, 10, (cfg.batch,)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if mode == "ddp":
         # broadcast_buffers=False: hvd_spark does not sync BN buffers each step either.
         with warnings.catch_warnings():  # torch 2.13 deprecates the flag but keeps it working
             warnings.simplefilter("ignore", FutureWarning)
-            net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-        sync = dist.barrier
+            net = torch.nn.parallel.DistributedDataParallel(
+                model, broadcast_buffers=False,
+                device_ids=[device.index] if device.type == "cuda" else None)
+        sync = _synced(dist.barrier, device)
     else:
         net = model
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, model.named_parameters())
-        sync = hvd.barrier
+        sync = _synced(hvd.barrier, device)
     loss_fn = torch.nn.CrossEntropyLoss()
     start = 0.0
     for step in range(cfg.warmup + cfg.steps):
@@ -98,6 +105,28 @@ def _time_mode(kind: str, mode: str, cfg: argparse.Namespace) -> float:
     if mode != "ddp":
         opt.remove_hooks()
     return max(hvd.allgather_object(elapsed))
+
+
+def _device(name: str, local_rank: int) -> Any:
+    import torch
+
+    if name == "cpu":
+        return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _synced(barrier: Any, device: Any) -> Any:
+    """``barrier`` after the device has finished its queued work (CUDA runs async)."""
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        barrier()
+
+    return sync
 
 
 def _worker(cfg: argparse.Namespace, port: int) -> dict:
@@ -138,8 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cfg = _parse(argv)
     best = run_local(_worker, args=(cfg, _free_port()), num_proc=cfg.np)[0]
-    print(f"torch DistributedOptimizer vs DDP(gloo): {cfg.np} ranks, batch {cfg.batch}/rank, "
-          f"{cfg.steps} timed steps (best of {cfg.rounds}), torch threads/rank {cfg.threads}")
+    print(f"torch DistributedOptimizer vs DDP(gloo): {cfg.np} ranks on {cfg.device}, batch "
+          f"{cfg.batch}/rank, {cfg.steps} timed steps (best of {cfg.rounds}), torch threads/rank "
+          f"{cfg.threads}")
     header = (f"{'model':<6} {'params':>10} {'hvd_spark samples/s':>20} "
               f"{'ddp samples/s':>14} {'ratio':>6}")
     print(header)

@@ -17,7 +17,8 @@ import numpy as np
 
 from hvd_spark.errors import ConfigError
 from hvd_spark.estimator import history as hist
-from hvd_spark.estimator.base import HvdEstimator, HvdModel, TrainSpec, define, make_readers
+from hvd_spark.estimator.base import HvdEstimator, HvdModel, define
+from hvd_spark.estimator.train_spec import TrainSpec, make_readers
 
 KERAS_PARAMS = [
     ("customObjects", "custom_objects needed to load the model", None, None),
