@@ -15,6 +15,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from hvd_spark._env import LOCAL_RANK
 from hvd_spark.errors import ConfigError
 from hvd_spark.estimator import history as hist
 from hvd_spark.estimator.base import HvdEstimator, HvdModel, define
@@ -131,12 +132,35 @@ def _optimizer_state(optimizer) -> bytes:
     return pickle.dumps([np.asarray(v) for v in optimizer.variables])
 
 
+def place_keras(use_gpu: bool, local_rank: int, tf: Any) -> None:
+    """Show TensorFlow one GPU (``local_rank % count``) with ``use_gpu``, else none.
+
+    Must run before TensorFlow initializes its devices. A CPU run hides the GPUs so it
+    does not take the memory of GPUs that other work on the executor may hold.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    if not use_gpu:
+        tf.config.set_visible_devices([], "GPU")
+        return
+    if not gpus:
+        raise ConfigError(
+            "use_gpu=True, but TensorFlow sees no GPU on this rank (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}; tensorflow-cpu has no GPU support). "
+            "Install a GPU build of TensorFlow on the executors, or pass use_gpu=False"
+        )
+    gpu = gpus[local_rank % len(gpus)]
+    tf.config.set_visible_devices([gpu], "GPU")
+    tf.config.experimental.set_memory_growth(gpu, True)
+
+
 def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
     """Runs on every rank: model.fit with the distributed optimizer and callbacks."""
     import keras
+    import tensorflow as tf
 
     import hvd_spark.tensorflow as hvd
 
+    place_keras(spec.use_gpu, int(os.environ.get(LOCAL_RANK, "0")), tf)
     hvd.init()
     keras.utils.set_random_seed(spec.seed)
     ds = spec.dataset

@@ -165,3 +165,30 @@ def test_torch_estimator_worker_trains_on_the_gpu(tmp_path):
     assert epoch == 3 and {t.device.type for t in state["model"].values()} == {"cuda"}
     trained = cloudpickle.loads(result["model"])["model"]
     assert {p.device.type for p in trained.parameters()} == {"cpu"}
+
+
+class _FakeTfConfig:
+    """Records what ``place_keras`` shows TensorFlow (pure logic: no GPU needed)."""
+
+    def __init__(self, gpus: list[str]) -> None:
+        self.gpus, self.visible, self.growth = gpus, None, []
+        self.experimental = types.SimpleNamespace(
+            set_memory_growth=lambda gpu, on: self.growth.append((gpu, on)))
+
+    def list_physical_devices(self, kind: str) -> list[str]:
+        return list(self.gpus) if kind == "GPU" else []
+
+    def set_visible_devices(self, devices: list[str], kind: str) -> None:
+        self.visible = (list(devices), kind)
+
+
+def test_place_keras_shows_one_gpu_or_none():
+    from hvd_spark.estimator.keras import place_keras
+
+    cfg = _FakeTfConfig(["gpu0", "gpu1"])
+    place_keras(True, 3, types.SimpleNamespace(config=cfg))
+    assert cfg.visible == (["gpu1"], "GPU") and cfg.growth == [("gpu1", True)]
+    place_keras(False, 0, types.SimpleNamespace(config=cfg))
+    assert cfg.visible == ([], "GPU")
+    with pytest.raises(ConfigError, match="use_gpu=True.*TensorFlow sees no GPU"):
+        place_keras(True, 0, types.SimpleNamespace(config=_FakeTfConfig([])))
