@@ -19,6 +19,7 @@ from hvd_spark.collectives.ops import ReduceOp
 from hvd_spark.errors import ConfigError
 from hvd_spark.torch import tensor_ops as T
 from hvd_spark.torch.compression import Compression, Compressor
+from hvd_spark.torch.cuda_staging import CudaStager
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class _DistributedOptimizer:
         self._hvd_handles: dict[torch.Tensor, tuple] = {}
         self._hvd_bucket: dict[torch.Tensor, None] = {}  # ordered set (tensors hash by id)
         self._hvd_bucket_bytes = 0
+        self._hvd_stager: CudaStager | None = None  # made at the first CUDA gradient
         self._hvd_synchronized = False
         self._hvd_should_sync = True
         self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad)
@@ -98,19 +100,31 @@ class _DistributedOptimizer:
 
     def _hvd_flush(self) -> None:
         bucket, self._hvd_bucket, self._hvd_bucket_bytes = self._hvd_bucket, {}, 0
-        for p in bucket:
-            self._hvd_start(p)
+        self._hvd_start(list(bucket))
 
-    def _hvd_start(self, p: torch.Tensor) -> None:
-        if p.grad is None:
-            # Unused on this rank but maybe not on others: contribute zeros (as Horovod does).
-            p.grad = torch.zeros_like(p)
-        grad = p.grad
-        wire, ctx = self._hvd_compression.compress(grad)
+    def _hvd_start(self, params: list[torch.Tensor]) -> None:
         prescale, postscale = self._hvd_scale
-        handle = T.allreduce_async_(wire, f"allreduce.{self._hvd_names[p]}", self._hvd_op,
-                                    prescale, postscale)
-        self._hvd_handles[p] = (handle, grad, wire, ctx)
+        on_gpu: dict[torch.device, list] = {}
+        for p in params:
+            if p.grad is None:
+                # Unused on this rank but maybe not on others: contribute zeros (as Horovod).
+                p.grad = torch.zeros_like(p)
+            grad = p.grad
+            wire, ctx = self._hvd_compression.compress(grad)
+            name = f"allreduce.{self._hvd_names[p]}"
+            if wire.is_cuda:
+                on_gpu.setdefault(wire.device, []).append((p, grad, wire, ctx, name))
+                continue
+            handle = T.allreduce_async_(wire, name, self._hvd_op, prescale, postscale)
+            self._hvd_handles[p] = (handle, grad, wire, ctx)
+        for items in on_gpu.values():
+            if self._hvd_stager is None:
+                self._hvd_stager = CudaStager()
+            handles = self._hvd_stager.allreduce_async_(
+                [(p, wire, name) for p, _, wire, _, name in items], self._hvd_op,
+                prescale, postscale)
+            for handle, (p, grad, wire, ctx, _) in zip(handles, items):
+                self._hvd_handles[p] = (handle, grad, wire, ctx)
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (starting those whose hook has not fired).
@@ -119,9 +133,7 @@ class _DistributedOptimizer:
         which did use them are not left waiting.
         """
         self._hvd_flush()
-        for p in self._hvd_params:
-            if p not in self._hvd_handles:
-                self._hvd_start(p)
+        self._hvd_start([p for p in self._hvd_params if p not in self._hvd_handles])
         try:
             for handle, grad, wire, ctx in self._hvd_handles.values():
                 handle.wait()

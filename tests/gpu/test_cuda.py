@@ -76,42 +76,45 @@ def test_collectives_on_cuda_tensors():
     assert rank0["grouped"] == [("cuda", [1.0] * 5), ("cuda", [2.0] * 2)]
 
 
-def _train_on_gpu(distributed: bool) -> dict:
+def _train_on_gpu(distributed: bool, compression: str = "none", passes: int = 1,
+                  device: str = "cuda") -> dict:
     import hvd_spark.torch as hvd
 
-    dev = torch.device("cuda", 0)
+    dev = torch.device(device)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rows = slice(None)
     if distributed:
         hvd.init()
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        opt = hvd.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(),
+            compression=getattr(hvd.Compression, compression), backward_passes_per_step=passes)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         rows = slice(8 * hvd.rank(), 8 * (hvd.rank() + 1))
     g = torch.Generator().manual_seed(1)
-    xs, ys = torch.randn(15, 16, 8, generator=g), torch.randn(15, 16, 4, generator=g)
-    for x, y in zip(xs, ys):
+    xs, ys = torch.randn(16, 16, 8, generator=g), torch.randn(16, 16, 4, generator=g)
+    for i, (x, y) in enumerate(zip(xs, ys)):
         loss = ((model(x[rows].to(dev)) - y[rows].to(dev)) ** 2).mean()
-        opt.zero_grad()
         loss.backward()
-        opt.step()
-    grad_device = next(model.parameters()).grad.device.type
+        if (i + 1) % passes == 0:
+            opt.step()
+            opt.zero_grad()
     state = {k: v.cpu().numpy() for k, v in model.state_dict().items()}
     if distributed:
         hvd.shutdown()
-    return {"state": state, "grad_device": grad_device}
+    return state
 
 
 @needs_gpu
-def test_distributed_optimizer_on_gpu_matches_one_process():
-    reference = _train_on_gpu(False)["state"]
-    rank0, rank1 = run_local(_train_on_gpu, args=(True,), num_proc=2)
-    assert rank0["grad_device"] == "cuda"
+@pytest.mark.parametrize("compression,passes", [("none", 1), ("fp16", 1), ("none", 2)])
+def test_distributed_optimizer_on_gpu_matches_one_process(compression, passes):
+    reference = _train_on_gpu(False, passes=passes)
+    rank0, rank1 = run_local(_train_on_gpu, args=(True, compression, passes), num_proc=2)
+    rtol, atol = (2e-2, 2e-3) if compression == "fp16" else (1e-4, 1e-5)
     for key, expected in reference.items():
-        assert np.array_equal(rank0["state"][key], rank1["state"][key]), key
-        np.testing.assert_allclose(rank0["state"][key], expected, rtol=1e-4, atol=1e-5,
-                                   err_msg=key)
+        assert np.array_equal(rank0[key], rank1[key]), key
+        np.testing.assert_allclose(rank0[key], expected, rtol=rtol, atol=atol, err_msg=key)
     assert not np.allclose(reference["0.weight"], _initial_weight())
 
 
