@@ -1,12 +1,12 @@
 """CUDA paths: torch collectives and DistributedOptimizer on GPU tensors, and the
 TorchEstimator's training loop with ``use_gpu``. Two ranks share GPU 0 (the engine
-reduces on the CPU, so no NCCL is involved). Skipped where there is no GPU; the
-``training_device`` checks run everywhere."""
+reduces on the CPU, so no NCCL is involved). Skipped where there is no GPU.
+
+Needs torch, pyarrow and cloudpickle only (no pyspark): ``PYTHONPATH=. pytest tests/gpu``."""
 
 from __future__ import annotations
 
 import io
-import types
 
 import cloudpickle
 import numpy as np
@@ -18,21 +18,11 @@ from torch import nn
 
 from hvd_spark.data.spec import ColumnSpec, DatasetSpec, SplitSpec
 from hvd_spark.data.store import Store
-from hvd_spark.errors import ConfigError
-from hvd_spark.estimator.torch_worker import train_torch, training_device
+from hvd_spark.estimator.torch_worker import train_torch
 from hvd_spark.estimator.train_spec import TrainSpec
 from hvd_spark.runner.local_launcher import run_local
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
-
-
-def test_training_device_without_a_gpu_names_the_problem():
-    no_cuda = types.SimpleNamespace(
-        device=torch.device, __version__="2.x+cpu", version=types.SimpleNamespace(cuda=None),
-        cuda=types.SimpleNamespace(is_available=lambda: False))
-    assert training_device(False, 0, no_cuda) == torch.device("cpu")
-    with pytest.raises(ConfigError, match="use_gpu=True.*no CUDA device.*use_gpu=False"):
-        training_device(True, 0, no_cuda)
 
 
 def _collectives_on_gpu() -> dict:
@@ -169,29 +159,3 @@ def test_torch_estimator_worker_trains_on_the_gpu(tmp_path):
     trained = cloudpickle.loads(result["model"])["model"]
     assert {p.device.type for p in trained.parameters()} == {"cpu"}
 
-
-class _FakeTfConfig:
-    """Records what ``place_keras`` shows TensorFlow (pure logic: no GPU needed)."""
-
-    def __init__(self, gpus: list[str]) -> None:
-        self.gpus, self.visible, self.growth = gpus, None, []
-        self.experimental = types.SimpleNamespace(
-            set_memory_growth=lambda gpu, on: self.growth.append((gpu, on)))
-
-    def list_physical_devices(self, kind: str) -> list[str]:
-        return list(self.gpus) if kind == "GPU" else []
-
-    def set_visible_devices(self, devices: list[str], kind: str) -> None:
-        self.visible = (list(devices), kind)
-
-
-def test_place_keras_shows_one_gpu_or_none():
-    from hvd_spark.estimator.keras import place_keras
-
-    cfg = _FakeTfConfig(["gpu0", "gpu1"])
-    place_keras(True, 3, types.SimpleNamespace(config=cfg))
-    assert cfg.visible == (["gpu1"], "GPU") and cfg.growth == [("gpu1", True)]
-    place_keras(False, 0, types.SimpleNamespace(config=cfg))
-    assert cfg.visible == ([], "GPU")
-    with pytest.raises(ConfigError, match="use_gpu=True.*TensorFlow sees no GPU"):
-        place_keras(True, 0, types.SimpleNamespace(config=_FakeTfConfig([])))
