@@ -25,7 +25,7 @@ from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.mesh import build_mesh
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S, EngineConfig, WorldInfo
-from hvd_spark.errors import CollectiveError
+from hvd_spark.errors import CollectiveError, ConfigError
 
 _lock = threading.Lock()
 _world: WorldInfo | None = None
@@ -223,6 +223,23 @@ def _grouped(arrays, name, op, prescale, postscale, inplace: bool) -> list[Handl
     entries = [_allreduce_entry(a, f"{base}.{i}", op, prescale, postscale, inplace)
                for i, a in enumerate(arrays)]
     # One batch: the coordinator sees all of them at once and fuses them.
+    return _require()[1].submit_many(entries) if entries else []
+
+
+def allreduce_many_async_(
+    arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp = ReduceOp.Average,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+) -> list[Handle]:
+    """Start in-place allreduces of ``arrays`` named ``names``, submitted in one batch.
+
+    Unlike ``grouped_allreduce``, each array keeps its own name and is matched across
+    ranks on its own, so ranks may batch different sets of arrays (a DistributedOptimizer's
+    buckets can differ between ranks); one request message carries the whole batch.
+    """
+    if len(arrays) != len(names):
+        raise ConfigError(f"allreduce_many_async_ got {len(arrays)} arrays but {len(names)} names")
+    entries = [_allreduce_entry(a, n, op, prescale_factor, postscale_factor, inplace=True)
+               for a, n in zip(arrays, names)]
     return _require()[1].submit_many(entries) if entries else []
 
 

@@ -107,4 +107,5 @@ class CudaStager:
 def _submit_when_copied(copied: Any, arrays: list, op: ReduceOp, prescale: float,
                         postscale: float) -> list:
     copied.synchronize()  # blocks this helper thread only
-    return [C.allreduce_async_(array, name, op, prescale, postscale) for array, name in arrays]
+    return C.allreduce_many_async_([a for a, _ in arrays], [n for _, n in arrays], op,
+                                   prescale, postscale)

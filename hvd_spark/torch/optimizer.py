@@ -104,7 +104,7 @@ class _DistributedOptimizer:
 
     def _hvd_start(self, params: list[torch.Tensor]) -> None:
         prescale, postscale = self._hvd_scale
-        on_gpu: dict[torch.device, list] = {}
+        by_device: dict[torch.device, list] = {}
         for p in params:
             if p.grad is None:
                 # Unused on this rank but maybe not on others: contribute zeros (as Horovod).
@@ -112,12 +112,17 @@ class _DistributedOptimizer:
             grad = p.grad
             wire, ctx = self._hvd_compression.compress(grad)
             name = f"allreduce.{self._hvd_names[p]}"
-            if wire.is_cuda:
-                on_gpu.setdefault(wire.device, []).append((p, grad, wire, ctx, name))
-                continue
-            handle = T.allreduce_async_(wire, name, self._hvd_op, prescale, postscale)
-            self._hvd_handles[p] = (handle, grad, wire, ctx)
-        for items in on_gpu.values():
+            by_device.setdefault(wire.device, []).append((p, grad, wire, ctx, name))
+        # One request message per bucket; each gradient keeps its own name, so ranks whose
+        # buckets differ still match every gradient.
+        cpu_items = by_device.pop(torch.device("cpu"), [])
+        if cpu_items:
+            handles = T.allreduce_many_async_(
+                [wire for _, _, wire, _, _ in cpu_items], [n for *_, n in cpu_items],
+                self._hvd_op, prescale, postscale)
+            for handle, (p, grad, wire, ctx, _) in zip(handles, cpu_items):
+                self._hvd_handles[p] = (handle, grad, wire, ctx)
+        for items in by_device.values():
             if self._hvd_stager is None:
                 self._hvd_stager = CudaStager()
             handles = self._hvd_stager.allreduce_async_(

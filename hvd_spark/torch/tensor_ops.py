@@ -143,6 +143,21 @@ def allreduce_async_(
     return TorchHandle([handle], _single(finish))
 
 
+def allreduce_many_async_(
+    tensors: Sequence[torch.Tensor], names: Sequence[str], op: ReduceOp,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+) -> list[TorchHandle]:
+    """Start in-place allreduces of named tensors in one batch: one request message, each
+    tensor still matched across ranks by its own name."""
+    targets = []
+    for tensor, name in zip(tensors, names):
+        check_tensor(tensor, "allreduce_", name)
+        targets.append(_in_place_target(tensor))
+    handles = C.allreduce_many_async_([as_numpy(cpu) for cpu, _ in targets], names, op,
+                                      prescale_factor, postscale_factor)
+    return [TorchHandle([h], _single(finish)) for h, (_, finish) in zip(handles, targets)]
+
+
 def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0, in_place: bool = False,

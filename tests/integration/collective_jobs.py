@@ -68,6 +68,26 @@ def out_of_order_and_fusion() -> dict:
             "tensors": after[1] - before[1]}
 
 
+def batches_that_differ_by_rank() -> dict:
+    """allreduce_many_async_: ranks batch different sets of names; every name still matches."""
+    hvd.init()
+    r = hvd.rank()
+    arrays = {nm: np.full(3, float(i + r), np.float32) for i, nm in enumerate("abcd")}
+    batches = [["a", "b"], ["c", "d"]] if r == 0 else [["d"], ["b", "c", "a"]]
+    handles = []
+    for names in batches:
+        handles += hvd.allreduce_many_async_([arrays[n] for n in names], names, op=hvd.Sum)
+    for h in handles:
+        hvd.synchronize(h)
+    try:
+        hvd.allreduce_many_async_([np.ones(2)], ["x", "y"])
+        mismatch = "accepted"
+    except Exception as exc:
+        mismatch = f"{type(exc).__name__}: {exc}"
+    hvd.shutdown()
+    return {"values": {n: a.tolist() for n, a in arrays.items()}, "mismatch": mismatch}
+
+
 def mismatches() -> list[str]:
     hvd.init()
     r = hvd.rank()

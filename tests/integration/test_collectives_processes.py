@@ -70,6 +70,15 @@ def test_out_of_order_names_and_fusion():
     assert a["responses"] == b["responses"]
 
 
+def test_batched_in_place_allreduce_matches_by_name_across_different_batches():
+    for out in run_local(jobs.batches_that_differ_by_rank, num_proc=2):
+        # In place: a = 0+1, b = 1+2, c = 2+3, d = 3+4 on both ranks.
+        assert out["values"] == {"a": [1.0] * 3, "b": [3.0] * 3, "c": [5.0] * 3,
+                                 "d": [7.0] * 3}
+        assert out["mismatch"].startswith("ConfigError") and "1 arrays but 2 names" in (
+            out["mismatch"])
+
+
 def test_mismatches_raise_on_every_rank_and_engine_survives():
     for errors in run_local(jobs.mismatches, num_proc=2):
         assert "CollectiveError" in errors[0] and "'shape.w'" in errors[0]
