@@ -11,6 +11,10 @@ on the same files:
 - hvd_spark: ``ShardReader(rank=0, size=1, shuffle=True)``, whose batches already are one
   numpy array per column.
 
+``--vector`` stores the values as one array column (a Vector feature, packed by
+``prepare_data`` as fixed-size binary; a list column with ``--pyarrow-defaults``); both
+sides then hand out one ``(batch, cols)`` array per batch.
+
 ``--matrix`` also stacks every batch's columns into one 2-D float32 array on both sides:
 the same extra consumer work for each, which dilutes the ratio (it runs in the consumer's
 thread and takes about as long as the decoding).
@@ -32,13 +36,23 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from hvd_spark.data.layout import (
+    dictionary_columns,
+    is_packed,
+    pack_arrays,
+    storage_schema,
+    unpack,
+)
 from hvd_spark.data.reader import ShardReader
-from hvd_spark.data.writer import dictionary_columns, storage_schema
+from hvd_spark.data.spec import ColumnSpec, DatasetSpec, SplitSpec
 
 
 def write_files(directory: str, rows: int, cols: int, files: int, row_group: int,
-                pyarrow_defaults: bool = False) -> list[str]:
-    """Write ``rows x cols`` random float32 values as ``files`` Parquet files; return paths."""
+                pyarrow_defaults: bool = False, vector: bool = False) -> list[str]:
+    """Write ``rows x cols`` random float32 values as ``files`` Parquet files; return paths.
+
+    One column per value, or with ``vector`` one array column ``x`` of ``cols`` values.
+    """
     rng = np.random.default_rng(0)
     names = [f"f{i:03d}" for i in range(cols)]
     paths = []
@@ -46,10 +60,16 @@ def write_files(directory: str, rows: int, cols: int, files: int, row_group: int
     for i, start in enumerate(range(0, rows, per_file)):
         n = min(per_file, rows - start)
         data = rng.random((cols, n), dtype=np.float32)
-        table = pa.table(dict(zip(names, data)))
+        if vector:
+            values = pa.array(np.ascontiguousarray(data.T).reshape(-1))
+            table = pa.table({"x": pa.ListArray.from_arrays(
+                pa.array(np.arange(0, (n + 1) * cols, cols, dtype=np.int32)), values)})
+        else:
+            table = pa.table(dict(zip(names, data)))
         path = os.path.join(directory, f"part-{i:05d}.parquet")
         options = {}
         if not pyarrow_defaults:  # the layout prepare_data writes
+            table = pack_arrays(table, _specs(cols, vector))
             table = table.cast(storage_schema(table.schema))
             options["use_dictionary"] = dictionary_columns(table.schema)
         pq.write_table(table, path, row_group_size=row_group, **options)
@@ -57,27 +77,51 @@ def write_files(directory: str, rows: int, cols: int, files: int, row_group: int
     return paths
 
 
-def plain_scan(paths: list[str], cols: list[str], batch_size: int, matrix: bool) -> int:
+def _specs(cols: int, vector: bool) -> tuple[ColumnSpec, ...]:
+    if vector:
+        return (ColumnSpec("x", "float32", (cols,), "array"),)
+    return tuple(ColumnSpec(f"f{i:03d}", "float32") for i in range(cols))
+
+
+def _spec(paths: list[str], cols: int, vector: bool) -> DatasetSpec:
+    specs = _specs(cols, vector)
+    return DatasetSpec(
+        key="bench", root_url=os.path.dirname(paths[0]), columns=specs,
+        feature_cols=tuple(c.name for c in specs),
+        train=SplitSpec(tuple(os.path.basename(p) for p in paths)))
+
+
+def plain_scan(paths: list[str], cols: int, batch_size: int, matrix: bool,
+               vector: bool = False) -> int:
     """Single-threaded pyarrow.dataset scan to numpy batches; returns rows read."""
     rows = 0
     dataset = ds.dataset(paths, format="parquet")
-    for rb in dataset.to_batches(columns=cols, batch_size=batch_size, use_threads=False):
-        arrays = [rb.column(i).to_numpy() for i in range(rb.num_columns)]
-        if matrix:
-            arrays = np.stack(arrays, axis=1)
+    for rb in dataset.to_batches(batch_size=batch_size, use_threads=False):
+        if vector:
+            column = rb.column(0)
+            if is_packed(column.type):
+                arrays = unpack(column, "x", np.dtype(np.float32), (cols,))
+            else:
+                arrays = column.flatten().to_numpy().reshape(rb.num_rows, cols)
+        else:
+            arrays = [rb.column(i).to_numpy() for i in range(rb.num_columns)]
+            if matrix:
+                arrays = np.stack(arrays, axis=1)
         rows += rb.num_rows
     return rows
 
 
-def reader_scan(paths: list[str], cols: list[str], batch_size: int, threads: int | None,
-                matrix: bool) -> int:
+def reader_scan(paths: list[str], cols: int, batch_size: int, threads: int | None,
+                matrix: bool, vector: bool = False) -> int:
     """ShardReader with shuffle to numpy batches; returns rows read."""
-    reader = ShardReader(paths, 0, 1, batch_size, columns=cols, shuffle=True, num_threads=threads)
+    reader = ShardReader(_spec(paths, cols, vector), 0, 1, batch_size, shuffle=True,
+                         num_threads=threads)
+    names = [c.name for c in _specs(cols, vector)]
     rows = 0
     for batch in reader.epoch(0):
-        if matrix:
-            np.stack([batch[c] for c in cols], axis=1)
-        rows += len(batch[cols[0]])
+        if matrix and not vector:
+            np.stack([batch[c] for c in names], axis=1)
+        rows += len(batch[names[0]])
     return rows
 
 
@@ -108,21 +152,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="also stack each batch into one 2-D array (both sides)")
     parser.add_argument("--pyarrow-defaults", action="store_true",
                         help="write the files with pyarrow's default encodings")
+    parser.add_argument("--vector", action="store_true",
+                        help="one array column of --cols float32 per row (as a Vector "
+                             "feature), instead of --cols scalar columns")
     args = parser.parse_args(argv)
-    cols = [f"f{i:03d}" for i in range(args.cols)]
     with tempfile.TemporaryDirectory(prefix="hvd_spark-reader-bench-") as tmp:
         paths = write_files(tmp, args.rows, args.cols, args.files, args.row_group,
-                            args.pyarrow_defaults)
+                            args.pyarrow_defaults, args.vector)
         (plain_t, plain_rows), (ours_t, ours_rows) = _alternate([
-            lambda: plain_scan(paths, cols, args.batch_size, args.matrix),
-            lambda: reader_scan(paths, cols, args.batch_size, args.threads, args.matrix),
+            lambda: plain_scan(paths, args.cols, args.batch_size, args.matrix, args.vector),
+            lambda: reader_scan(paths, args.cols, args.batch_size, args.threads, args.matrix,
+                                args.vector),
         ], args.repeat)
     threads = args.threads or min(4, os.cpu_count() or 1)
     print(
-        f"{args.rows} rows x {args.cols} float32 cols, {args.files} files, row groups of "
+        f"{args.rows} rows x {args.cols} float32 "
+        f"{'values in one array column' if args.vector else 'cols'}, {args.files} files, "
+        f"row groups of "
         f"{args.row_group}, {'pyarrow default' if args.pyarrow_defaults else 'prepare_data'} "
         f"encodings, batch {args.batch_size}, {os.cpu_count()} CPUs, {args.repeat} alternating "
-        f"rounds, batches as {'one 2-D array' if args.matrix else 'one numpy array per column'}"
+        f"rounds, batches as "
+        f"{'one 2-D array' if args.matrix or args.vector else 'one numpy array per column'}"
     )
     print(f"{'reader':32s} {'rows':>9s} {'best s':>7s} {'median s':>9s} {'M rows/s':>9s} "
           f"{'ratio best':>10s} {'ratio median':>12s}")

@@ -28,12 +28,12 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 
+from hvd_spark.data.layout import is_packed, unpack
 from hvd_spark.data.prefetch import Prefetcher
+from hvd_spark.data.shuffle import Batch, rebatch
 from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import filesystem_from_url
 from hvd_spark.errors import ConfigError, DataError
-
-Batch = dict[str, np.ndarray]
 
 
 class _Piece(NamedTuple):
@@ -165,6 +165,12 @@ class ShardReader:
             )
         for name in self.columns:
             field_type = schema.field(name).type
+            if is_packed(field_type) and name not in self._shapes:
+                raise ConfigError(
+                    f"column {name!r} holds packed arrays (fixed-size binary) whose dtype and "
+                    "shape only the dataset spec knows: read it through its DatasetSpec")
+            if is_packed(field_type):
+                continue
             value_type = field_type.value_type if _is_list(field_type) else field_type
             self._dtypes.setdefault(name, np.dtype(value_type.to_pandas_dtype()))
             if name not in self._shapes:
@@ -241,7 +247,7 @@ class ShardReader:
         rng = np.random.default_rng([self.seed, epoch, self.rank, 1]) if self.shuffle else None
         parts = self._decoded(self.shard_plan(epoch))
         produced = 0
-        for batch in _rebatch(parts, self.batch_size, self.shuffle_buffer_size, rng):
+        for batch in rebatch(parts, self.batch_size, self.shuffle_buffer_size, rng):
             yield batch
             produced += 1
             if produced == self.steps_per_epoch:
@@ -272,7 +278,7 @@ class ShardReader:
         # Runs in a decode thread: decoding and the (mostly zero-copy) conversion to
         # numpy, with its null and shape checks, happen in parallel.
         table = self._read_table(index, self.columns).slice(offset, length)
-        return table_to_numpy(table, self.columns, self._shapes)
+        return table_to_numpy(table, self.columns, self._shapes, self._dtypes)
 
     def _read_table(self, index: int, columns: Sequence[str]) -> pa.Table:
         # ParquetFile.read_row_group with the footer already parsed skips the dataset
@@ -285,9 +291,13 @@ class ShardReader:
 
 
 def table_to_numpy(
-    table: pa.Table, columns: Sequence[str], shapes: dict[str, tuple[int, ...] | None]
+    table: pa.Table, columns: Sequence[str], shapes: dict[str, tuple[int, ...] | None],
+    dtypes: dict[str, np.dtype] | None = None,
 ) -> Batch:
-    """Convert ``columns`` of ``table`` to numpy arrays, list columns to ``(rows, *shape)``."""
+    """Convert ``columns`` of ``table`` to numpy arrays, list columns to ``(rows, *shape)``.
+
+    Packed columns (see ``hvd_spark.data.layout``) need their ``dtypes`` and ``shapes``.
+    """
     out: Batch = {}
     rows = table.num_rows
     for name in columns:
@@ -295,6 +305,12 @@ def table_to_numpy(
         arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
         if arr.null_count:
             raise DataError(f"column {name!r} has {arr.null_count} null value(s); fill them")
+        if is_packed(arr.type):
+            shape, dtype = (shapes or {}).get(name), (dtypes or {}).get(name)
+            if shape is None or dtype is None or None in shape:
+                raise DataError(f"column {name!r} is packed; its dtype and shape are needed")
+            out[name] = unpack(arr, name, dtype, tuple(shape))
+            continue
         if not _is_list(arr.type):
             out[name] = arr.to_numpy(zero_copy_only=False)
             continue
@@ -315,63 +331,6 @@ def table_to_numpy(
             )
         out[name] = values.to_numpy(zero_copy_only=False).reshape(rows, *shape)
     return out
-
-
-def _rebatch(
-    parts: Iterator[Batch], batch_size: int, buffer_size: int, rng: np.random.Generator | None
-) -> Iterator[Batch]:
-    """Cut decoded row groups into batches, mixing rows through a shuffle buffer.
-
-    Rows gather in a pool until it holds ``batch_size + buffer_size`` of them. The pool
-    is then put in a random order with one ``np.take`` per column (numpy's contiguous
-    take releases the GIL and is about twice as fast as Arrow's on a chunked column), as
-    many whole batches as leave ``buffer_size // 2`` rows behind are handed out as views,
-    and the rest, already a random subset, stays for the next round.
-    """
-    keep = buffer_size // 2 if rng is not None else 0
-    threshold = batch_size + (buffer_size if rng is not None else 0)
-    pool: list[Batch] = []
-    rows = 0
-    for part in parts:
-        pool.append(part)
-        rows += _rows(part)
-        if rows < threshold:
-            continue
-        count = (rows - keep) // batch_size
-        out, rest = _mix(pool, rows, count * batch_size, rng)
-        yield from _slices(out, batch_size, count)
-        pool, rows = [rest], rows - count * batch_size
-    if rows >= batch_size:
-        count = rows // batch_size
-        out, _ = _mix(pool, rows, count * batch_size, rng)
-        yield from _slices(out, batch_size, count)
-
-
-def _mix(
-    pool: list[Batch], rows: int, take: int, rng: np.random.Generator | None
-) -> tuple[Batch, Batch]:
-    """Split the pool's rows into ``take`` rows to hand out and the rest, shuffled if ``rng``."""
-    order = rng.permutation(rows) if rng is not None else None
-    out: Batch = {}
-    rest: Batch = {}
-    for name in pool[0]:
-        arrays = [part[name] for part in pool if len(part[name])]
-        column = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        if order is None:
-            out[name], rest[name] = column[:take], column[take:]
-        else:  # indices are in range by construction: "clip" skips the bounds checks
-            out[name] = np.take(column, order[:take], axis=0, mode="clip")
-            rest[name] = np.take(column, order[take:], axis=0, mode="clip")
-    return out, rest
-
-
-def _slices(pool: Batch, batch_size: int, count: int) -> Iterator[Batch]:
-    for i in range(count):
-        yield {k: v[i * batch_size:(i + 1) * batch_size] for k, v in pool.items()}
-
-
-def _rows(batch: Batch) -> int:
-    return len(next(iter(batch.values())))
 
 
 def _is_list(t: pa.DataType) -> bool:

@@ -21,8 +21,9 @@ What happens in ``prepare_data``, in this order:
 4. On a miss, the rows are repartitioned into ``num_proc x partitions_per_process``
    partitions and each Spark task writes its train and validation rows as Parquet
    through the Store's pyarrow filesystem (so any filesystem pyarrow supports works
-   without Hadoop connectors). The spec is written last: it is the commit marker,
-   and a dataset directory without one is never reused.
+   without Hadoop connectors), in the layout of ``hvd_spark.data.layout``. The spec is
+   written last: it is the commit marker, and a dataset directory without one is never
+   reused.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 
+from hvd_spark.data.layout import dictionary_columns, pack_arrays, storage_schema
 from hvd_spark.data.spec import SPEC_VERSION, ColumnSpec, DatasetSpec, SplitSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError, DataError
@@ -116,7 +118,8 @@ def prepare_data(
         return cached
     store.delete(store.dataset_path(key))  # a partial write from an interrupted run
     out = selected.repartition(num_files)
-    written = out.mapInArrow(_ShardWriter(store, key), "split string, file string, rows long")
+    written = out.mapInArrow(_ShardWriter(store, key, columns),
+                             "split string, file string, rows long")
     splits = _splits(written.collect())
     spec = DatasetSpec(
         key=key,
@@ -333,9 +336,10 @@ def _splits(rows: list) -> dict[str, SplitSpec]:
 class _ShardWriter:
     """The ``mapInArrow`` function: writes one partition's train/val rows as Parquet files."""
 
-    def __init__(self, store: Store, key: str) -> None:
+    def __init__(self, store: Store, key: str, columns: Sequence[ColumnSpec]) -> None:
         self.store = store
         self.key = key
+        self.columns = list(columns)
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -348,6 +352,7 @@ class _ShardWriter:
                 mask = batch.column(IS_VAL)
                 data = pa.Table.from_batches([batch]).drop_columns(
                     [c for c in (IS_VAL, "__hvd_spark_val_col") if c in batch.schema.names])
+                data = pack_arrays(data, self.columns)
                 for split, rows in (("train", data.filter(pc.invert(mask))),
                                     ("val", data.filter(mask))):
                     if rows.num_rows == 0:
@@ -383,47 +388,3 @@ class _ShardWriter:
         stream = fs.open_output_stream(temp)
         writer = pq.ParquetWriter(stream, schema, use_dictionary=dictionary_columns(schema))
         return stream, writer, temp, final
-
-
-def storage_schema(schema: pa.Schema) -> pa.Schema:
-    """``schema`` with every field and list element marked non-nullable.
-
-    ``prepare_data`` has already refused nulls in every stored column, and Parquet's
-    ``required`` columns carry no definition levels: decoding float32 features gets
-    about 25% cheaper. (Arrow's cast to this schema would refuse a null, too.)
-    """
-    return pa.schema([_required(field) for field in schema], metadata=schema.metadata)
-
-
-def _required(field: pa.Field) -> pa.Field:
-    value_type = field.type
-    if pa.types.is_list(value_type):
-        value_type = pa.list_(_required(value_type.value_field))
-    elif pa.types.is_large_list(value_type):
-        value_type = pa.large_list(_required(value_type.value_field))
-    elif pa.types.is_fixed_size_list(value_type):
-        value_type = pa.list_(_required(value_type.value_field), value_type.list_size)
-    return pa.field(field.name, value_type, nullable=False, metadata=field.metadata)
-
-
-def dictionary_columns(schema: pa.Schema) -> list[str]:
-    """Parquet column paths worth dictionary encoding: everything but floating point.
-
-    Continuous features have nearly as many distinct values as rows, so a dictionary
-    page only adds a lookup per value: for random float32 it makes files about 45%
-    larger and their decoding about 60% slower. Integer, boolean and other columns
-    (class labels, ids) keep it.
-    """
-    paths = []
-    for field in schema:
-        # Parquet names a list's values "<name>.list.element", one level per nesting.
-        path, value_type = field.name, field.type
-        while _is_list_type(value_type):
-            path, value_type = path + ".list.element", value_type.value_type
-        if not pa.types.is_floating(value_type):
-            paths.append(path)
-    return paths
-
-
-def _is_list_type(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pyspark  # noqa: F401 - CI installs it: never a skip
 import pytest
@@ -65,17 +66,18 @@ def test_types_validation_column_cache_and_read_back(df, tmp_path):
     val_ids = [i for b in ShardReader(spec, 0, 1, 4, split="val").epoch(0) for i in b["id"]]
     assert sorted(val_ids) == list(range(0, 64, 4))
 
-    # Columns are stored as required (no nulls were let through); floating-point ones
-    # without a dictionary page, integer ones with.
+    # The stored layout (hvd_spark.data.layout): required columns; arrays and vectors packed
+    # as fixed-size binary (3 int64 = 24 bytes, 2 float32 = 8 bytes); a dictionary only for
+    # the integer scalars.
     base = store.path(store.dataset_path(spec.key))
     stored = pq.read_schema(os.path.join(base, spec.train.files[0]))
     assert not any(f.nullable for f in stored), stored
-    assert not stored.field("arr").type.value_field.nullable
+    assert stored.field("arr").type == pa.binary(24) and stored.field("vec").type == pa.binary(8)
     meta = pq.read_metadata(os.path.join(base, spec.train.files[0])).row_group(0)
     encodings = {meta.column(i).path_in_schema: meta.column(i).encodings
                  for i in range(meta.num_columns)}
     dictionary = {path for path, enc in encodings.items() if "RLE_DICTIONARY" in enc}
-    assert dictionary == {"id", "arr.list.element", "y"}, encodings
+    assert dictionary == {"id", "y"}, encodings
 
     # Same data and settings: reused, nothing rewritten. A boolean column gives the same split.
     before = mtimes(store, spec)
