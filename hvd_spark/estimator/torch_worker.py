@@ -46,9 +46,11 @@ def _losses(payload: dict) -> list:
 
 
 def _tensor(values: np.ndarray, torch: Any, device: Any = None) -> Any:
-    # A writable copy: batches may be read-only views of Arrow buffers. Pinned memory
-    # lets the copy to a GPU run asynchronously.
-    t = torch.as_tensor(np.array(values))
+    # Shuffled batches are the reader's own (writable) arrays: shared, not copied. Unshuffled
+    # ones may be read-only views of Arrow buffers, which torch cannot share: copied.
+    # Pinned memory lets the copy to a GPU run asynchronously.
+    writable = values.flags.writeable and values.flags.c_contiguous
+    t = torch.from_numpy(values if writable else np.array(values))
     if device is None or device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
