@@ -160,6 +160,17 @@ def _in_place_finish(target: np.ndarray):
     return finish
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    # numpy 2 computes dtype.name in Python (about 5 us); gradients ask for it every step.
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
+
+
 def _allreduce_entry(array, name, op, prescale, postscale, inplace: bool) -> Entry:
     """Validate and prepare one rank's allreduce of ``array``."""
     name = _auto_name(m.ALLREDUCE, name)
@@ -176,7 +187,7 @@ def _allreduce_entry(array, name, op, prescale, postscale, inplace: bool) -> Ent
         if work is array:
             work = np.array(work, copy=True)  # never scale the caller's data before sending
         scale_in_place(work, prescale)
-    request = m.Request(name, m.ALLREDUCE, work.dtype.name, work.shape, int(op),
+    request = m.Request(name, m.ALLREDUCE, _dtype_name(work.dtype), work.shape, int(op),
                         float(prescale), float(postscale))
     entry = Entry(request, Handle(name), work)
     if inplace:
@@ -280,7 +291,7 @@ def allgather_async(array: np.ndarray, name: str | None = None) -> Handle:
     if array.ndim == 0:
         array = array.reshape(1)
     work = np.ascontiguousarray(array)
-    return _submit(m.Request(name, m.ALLGATHER, work.dtype.name, work.shape), work)
+    return _submit(m.Request(name, m.ALLGATHER, _dtype_name(work.dtype), work.shape), work)
 
 
 def allgather(array: np.ndarray, name: str | None = None) -> np.ndarray:
@@ -293,7 +304,7 @@ def broadcast_async(array: np.ndarray, root_rank: int, name: str | None = None) 
     name = _auto_name(m.BROADCAST, name)
     array = _as_array(array, f"broadcast {name!r}")
     work = np.array(array, order="C", copy=True)
-    request = m.Request(name, m.BROADCAST, work.dtype.name, work.shape, root=int(root_rank))
+    request = m.Request(name, m.BROADCAST, _dtype_name(work.dtype), work.shape, root=int(root_rank))
     return _submit(request, work)
 
 
@@ -302,7 +313,7 @@ def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None)
     name = _auto_name(m.BROADCAST, name)
     array = _as_array(array, f"broadcast {name!r}")
     work = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-    request = m.Request(name, m.BROADCAST, work.dtype.name, work.shape, root=int(root_rank))
+    request = m.Request(name, m.BROADCAST, _dtype_name(work.dtype), work.shape, root=int(root_rank))
     return _submit(request, work, _in_place_finish(array))
 
 
@@ -324,7 +335,7 @@ def alltoall_async(
     array = _as_array(array, f"alltoall {name!r}")
     work = np.ascontiguousarray(array)
     split_t = None if splits is None else tuple(int(s) for s in np.asarray(splits).reshape(-1))
-    request = m.Request(name, m.ALLTOALL, work.dtype.name, work.shape, splits=split_t)
+    request = m.Request(name, m.ALLTOALL, _dtype_name(work.dtype), work.shape, splits=split_t)
     return _submit(request, work)
 
 
@@ -344,7 +355,7 @@ def reducescatter_async(
     if work.ndim == 0:
         work = work.reshape(1)
     op = ReduceOp(op)
-    request = m.Request(name, m.REDUCESCATTER, work.dtype.name, work.shape, int(op),
+    request = m.Request(name, m.REDUCESCATTER, _dtype_name(work.dtype), work.shape, int(op),
                         float(prescale_factor), float(postscale_factor))
     if prescale_factor != 1.0:
         check_reduction(work.dtype, op, prescale_factor, postscale_factor, name)
