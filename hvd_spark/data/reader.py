@@ -59,6 +59,8 @@ class ShardReader:
         shuffle: Shuffle row-group order and rows (seeded, different each epoch).
         seed: Seed shared by all ranks; the same seed and epoch give the same batches.
         shuffle_buffer_size: Rows mixed in the shuffle buffer (memory: rows x row size).
+            Default: 10,000 rows, fewer when rows are wide, so that the buffer stays
+            under 256 MiB (224x224x3 float32 images: 445 rows), and never under a batch.
         steps_per_epoch: Batches per epoch; default ``(rows // size) // batch_size``. More
             than that reads the data several times within an epoch.
         num_threads: Row groups decoded at the same time; default ``min(4, CPUs)``:
@@ -79,7 +81,7 @@ class ShardReader:
         filesystem: pafs.FileSystem | None = None,
         shuffle: bool = True,
         seed: int = 0,
-        shuffle_buffer_size: int = 10_000,
+        shuffle_buffer_size: int | None = None,
         steps_per_epoch: int | None = None,
         num_threads: int | None = None,
         prefetch_batches: int = 8,
@@ -90,7 +92,8 @@ class ShardReader:
         if num_threads is None:
             num_threads = min(4, os.cpu_count() or 1)
         _check_int("num_threads", num_threads, 1)
-        _check_int("shuffle_buffer_size", shuffle_buffer_size, 0)
+        if shuffle_buffer_size is not None:
+            _check_int("shuffle_buffer_size", shuffle_buffer_size, 0)
         if not isinstance(rank, int) or not 0 <= rank < size:
             raise ConfigError(f"rank must be an int in [0, size={size}), got {rank!r}")
         if steps_per_epoch is not None:
@@ -110,6 +113,8 @@ class ShardReader:
         self._check_columns()
         self._pieces = self._row_groups()
         self._infer_list_shapes()
+        if self.shuffle_buffer_size is None:
+            self.shuffle_buffer_size = default_shuffle_buffer(self.row_bytes(), batch_size)
         self.num_rows = int(sum(piece.rows for piece in self._pieces))
         natural = (self.num_rows // size) // batch_size
         if natural == 0 and steps_per_epoch is None:
@@ -194,6 +199,11 @@ class ShardReader:
             table = self._read_table(0, unknown).slice(0, 1)
             for name in unknown:
                 self._shapes[name] = (len(table.column(name)[0]),)
+
+    def row_bytes(self) -> int:
+        """Bytes of one row of the selected columns, as numpy holds them."""
+        return sum(self._dtypes[c].itemsize * math.prod(d or 1 for d in self._shapes[c] or ())
+                   for c in self.columns)
 
     def column_info(self) -> dict[str, tuple[tuple[int | None, ...], np.dtype]]:
         """Per column: (shape of one row's value, numpy dtype); None marks an unknown length."""
@@ -288,6 +298,17 @@ class ShardReader:
         with self._fs.open_input_file(piece.path) as source:
             parquet = pq.ParquetFile(source, metadata=piece.metadata, pre_buffer=not self._local)
             return parquet.read_row_group(piece.group, columns=list(columns), use_threads=False)
+
+
+SHUFFLE_BUFFER_ROWS = 10_000
+SHUFFLE_BUFFER_BYTES = 256 << 20
+
+
+def default_shuffle_buffer(row_bytes: int, batch_size: int) -> int:
+    """``SHUFFLE_BUFFER_ROWS``, fewer for wide rows (at most ``SHUFFLE_BUFFER_BYTES``),
+    but at least one batch."""
+    fits = SHUFFLE_BUFFER_BYTES // max(row_bytes, 1)
+    return max(batch_size, min(SHUFFLE_BUFFER_ROWS, fits))
 
 
 def table_to_numpy(

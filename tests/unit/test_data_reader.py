@@ -179,3 +179,15 @@ def test_abandoned_epoch_iterator_stops_its_thread(files):
     thread.join(timeout=5)
     assert not thread.is_alive()
     assert not [t for t in threading.enumerate() if t.name.startswith("hvd_spark-decode")]
+
+
+def test_default_shuffle_buffer_is_bounded_in_bytes(files):
+    from hvd_spark.data.reader import default_shuffle_buffer
+
+    assert default_shuffle_buffer(400, 32) == 10_000  # 100 float32 columns: 4 MB
+    assert default_shuffle_buffer(224 * 224 * 3 * 4, 32) == 445  # images: 256 MiB at most
+    assert default_shuffle_buffer(64 << 20, 8) == 8  # never less than one batch
+    reader = ShardReader(files, 0, 1, 4)
+    # id int64 + x float32 + vec 2 x float32 (shape inferred from the first row).
+    assert reader.row_bytes() == 8 + 4 + 8 and reader.shuffle_buffer_size == 10_000
+    assert ShardReader(files, 0, 1, 4, shuffle_buffer_size=0).shuffle_buffer_size == 0
