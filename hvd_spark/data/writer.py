@@ -40,7 +40,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 
-from hvd_spark.data.layout import dictionary_columns, pack_arrays, storage_schema
+from hvd_spark.data.layout import (
+    dictionary_columns,
+    pack_arrays,
+    row_group_rows,
+    storage_schema,
+)
 from hvd_spark.data.spec import SPEC_VERSION, ColumnSpec, DatasetSpec, SplitSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError, DataError
@@ -360,7 +365,7 @@ class _ShardWriter:
                     rows = rows.cast(storage_schema(rows.schema))
                     if split not in writers:
                         writers[split] = self._open(split, part, rows.schema)
-                    writers[split][1].write_table(rows)
+                    writers[split][1].write_table(rows, row_group_size=row_group_rows(rows))
                     counts[split] += rows.num_rows
         finally:
             for stream, writer, _, _ in writers.values():

@@ -8,7 +8,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from hvd_spark.data import ShardReader
-from hvd_spark.data.layout import dictionary_columns, pack_arrays, storage_schema, unpack
+from hvd_spark.data.layout import (
+    ROW_GROUP_BYTES,
+    dictionary_columns,
+    pack_arrays,
+    row_group_rows,
+    storage_schema,
+    unpack,
+)
 from hvd_spark.data.spec import ColumnSpec, DatasetSpec, SplitSpec
 from hvd_spark.errors import ConfigError, DataError
 
@@ -76,3 +83,14 @@ def test_reader_unpacks_shuffled_batches_through_the_spec(tmp_path):
     # Without the spec, a packed column's dtype and shape are unknown: a clear error.
     with pytest.raises(ConfigError, match="'vec' holds packed arrays.*DatasetSpec"):
         ShardReader([str(tmp_path / f) for f in files], 0, 1, 4)
+
+
+def test_row_groups_are_bounded_in_bytes():
+    narrow = pa.table({"x": np.zeros(10_000, np.float32)})
+    assert row_group_rows(narrow) == 10_000
+    # 150,528 float32 per row (a 224x224x3 image) packed: about 600 KB a row.
+    image = pack_arrays(pa.table({"img": pa.array([np.zeros(150_528, np.float32)] * 200)}),
+                        [ColumnSpec("img", "float32", (150_528,), "array")])
+    rows = row_group_rows(image)
+    assert rows == ROW_GROUP_BYTES // (150_528 * 4) == 111
+    assert row_group_rows(image.slice(0, 0)) == 1
