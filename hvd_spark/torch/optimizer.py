@@ -179,6 +179,9 @@ class _DistributedOptimizer:
         for hook in self._hvd_hooks:
             hook.remove()
         self._hvd_hooks = []
+        if self._hvd_stager is not None:  # its helper thread and pinned buffers go too
+            self._hvd_stager.close()
+            self._hvd_stager = None
 
 
 _classes: dict[type, type] = {}
