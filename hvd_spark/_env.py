@@ -1,12 +1,19 @@
-"""Every HVD_SPARK_* environment variable, named once and read at the edges.
+"""Every environment variable the package reads, named once and read at the edges.
 
-Launchers write these for each rank; the collectives read them in ``init()``.
-Users may tune the engine through the ``ENGINE_*`` ones.
+Launchers write the ``HVD_SPARK_*`` rank variables for each rank (and Horovod's and
+torch's names for tools that read those); the collectives read them in ``init()``.
+Users tune the engine through the other ``HVD_SPARK_*`` variables or, for code
+ported from Horovod, through Horovod's ``HOROVOD_*`` names: a Horovod name is read
+only where its ``HVD_SPARK_*`` counterpart is unset (see ``HOROVOD_FALLBACKS``).
+A ``HOROVOD_*`` setting this package cannot honour is named in one warning
+(``warn_unsupported_horovod_vars``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 from hvd_spark.errors import ConfigError
 
@@ -23,6 +30,9 @@ RUN_ID = "HVD_SPARK_RUN_ID"
 HOSTNAME = "HVD_SPARK_HOSTNAME"
 ADVERTISE_ADDR = "HVD_SPARK_ADVERTISE_ADDR"
 
+# The launcher variables whose absence means "no launcher: a one-rank job".
+LAUNCHER_VARS = (RANK, SIZE, RENDEZVOUS_ADDR, SECRET)
+
 # Tuning knobs a user may set.
 BACKEND = "HVD_SPARK_BACKEND"
 TIMEOUT = "HVD_SPARK_TIMEOUT"
@@ -32,12 +42,63 @@ CYCLE_TIME = "HVD_SPARK_CYCLE_TIME"
 CHUNK_BYTES = "HVD_SPARK_CHUNK_BYTES"
 DISABLE_SHM = "HVD_SPARK_DISABLE_SHM"
 STALL_WARNING = "HVD_SPARK_STALL_WARNING_TIME"
+STALL_CHECK_DISABLE = "HVD_SPARK_STALL_CHECK_DISABLE"
+STALL_SHUTDOWN = "HVD_SPARK_STALL_SHUTDOWN_TIME"
+TIMELINE = "HVD_SPARK_TIMELINE"
+TIMELINE_MARK_CYCLES = "HVD_SPARK_TIMELINE_MARK_CYCLES"
+LOG_LEVEL = "HVD_SPARK_LOG_LEVEL"
+IFACE = "HVD_SPARK_IFACE"
+
+# Horovod's worker environment and torch's names, exported by the launchers for
+# tools that read them (never read back by this package).
+HOROVOD_RANK = "HOROVOD_RANK"
+HOROVOD_SIZE = "HOROVOD_SIZE"
+HOROVOD_LOCAL_RANK = "HOROVOD_LOCAL_RANK"
+HOROVOD_LOCAL_SIZE = "HOROVOD_LOCAL_SIZE"
+HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"
+HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
+HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
+TORCH_RANK = "RANK"
+TORCH_WORLD_SIZE = "WORLD_SIZE"
+TORCH_LOCAL_RANK = "LOCAL_RANK"
+TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+
+# Horovod's names for our knobs, read (first one set wins) where ours is unset.
+HOROVOD_FALLBACKS: dict[str, tuple[str, ...]] = {
+    TIMEOUT: ("HOROVOD_GLOO_TIMEOUT_SECONDS",),
+    START_TIMEOUT: ("HOROVOD_SPARK_START_TIMEOUT", "HOROVOD_START_TIMEOUT"),
+    FUSION_THRESHOLD: ("HOROVOD_FUSION_THRESHOLD",),
+    CYCLE_TIME: ("HOROVOD_CYCLE_TIME",),
+    STALL_WARNING: ("HOROVOD_STALL_CHECK_TIME_SECONDS",),
+    STALL_CHECK_DISABLE: ("HOROVOD_STALL_CHECK_DISABLE",),
+    STALL_SHUTDOWN: ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",),
+    TIMELINE: ("HOROVOD_TIMELINE",),
+    TIMELINE_MARK_CYCLES: ("HOROVOD_TIMELINE_MARK_CYCLES",),
+    LOG_LEVEL: ("HOROVOD_LOG_LEVEL",),
+    IFACE: ("HOROVOD_GLOO_IFACE",),
+}
+
+
+def lookup(name: str) -> tuple[str, str] | None:
+    """Return ``(variable, value)`` of the first non-empty one of ``name`` and its
+    Horovod fallbacks, or None when none is set."""
+    for var in (name, *HOROVOD_FALLBACKS.get(name, ())):
+        value = os.environ.get(var, "")
+        if value:
+            return var, value
+    return None
+
+
+def source(name: str) -> str:
+    """The variable that supplies ``name``'s value (``name`` itself when none is set)."""
+    found = lookup(name)
+    return found[0] if found else name
 
 
 def get_str(name: str, default: str | None = None) -> str | None:
     """Return the variable's value, or ``default`` when unset or empty."""
-    value = os.environ.get(name, "")
-    return value if value else default
+    found = lookup(name)
+    return found[1] if found else default
 
 
 def require_str(name: str) -> str:
@@ -53,29 +114,184 @@ def require_str(name: str) -> str:
 
 def get_int(name: str, default: int) -> int:
     """Return the variable as an int, with a ConfigError naming it when it does not parse."""
-    value = os.environ.get(name, "")
-    if not value:
+    found = lookup(name)
+    if found is None:
         return default
+    var, value = found
     try:
         return int(value)
     except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer") from None
+        raise ConfigError(f"{var}={value!r} is not an integer") from None
 
 
 def get_float(name: str, default: float) -> float:
     """Return the variable as a float, with a ConfigError naming it when it does not parse."""
-    value = os.environ.get(name, "")
-    if not value:
+    found = lookup(name)
+    if found is None:
         return default
+    var, value = found
     try:
         return float(value)
     except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a number") from None
+        raise ConfigError(f"{var}={value!r} is not a number") from None
+
+
+def is_true(value: str) -> bool:
+    """True for 1/true/yes/on and for positive integers (Horovod's reading of flags)."""
+    value = value.strip().lower()
+    if value in ("true", "yes", "on"):
+        return True
+    try:
+        return int(value) > 0
+    except ValueError:
+        return False
 
 
 def get_bool(name: str, default: bool = False) -> bool:
-    """Return the variable as a bool (1/true/yes/on are true)."""
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    """Return the variable as a bool (1/true/yes/on and positive integers are true)."""
+    found = lookup(name)
+    return default if found is None else is_true(found[1])
+
+
+# HOROVOD_LOG_LEVEL's names -> Python levels (TRACE sits below DEBUG, FATAL is CRITICAL).
+LOG_LEVELS = {
+    "TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
+    "WARN": logging.WARNING, "ERROR": logging.ERROR, "FATAL": logging.CRITICAL,
+    "CRITICAL": logging.CRITICAL,
+}
+
+
+def apply_log_level() -> int | None:
+    """Set the ``hvd_spark`` logger's level from HVD_SPARK_LOG_LEVEL / HOROVOD_LOG_LEVEL.
+
+    Returns:
+        The level set, or None when neither variable is set (the level is left alone).
+
+    Raises:
+        ConfigError: The value is not one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL.
+    """
+    found = lookup(LOG_LEVEL)
+    if found is None:
+        return None
+    var, value = found
+    level = LOG_LEVELS.get(value.strip().upper())
+    if level is None:
+        raise ConfigError(
+            f"{var}={value!r} is not a log level; use one of TRACE, DEBUG, INFO, WARNING, "
+            "ERROR, FATAL")
+    logging.getLogger("hvd_spark").setLevel(level)
+    return level
+
+
+# --- HOROVOD_* settings this package cannot honour -------------------------------
+
+# Read by this package (through HOROVOD_FALLBACKS) or meaning what it always does.
+_HONOURED = {var for names in HOROVOD_FALLBACKS.values() for var in names} | {
+    "HOROVOD_DYNAMIC_PROCESS_SETS",  # process sets can always be added after init()
+}
+# Written by launchers (ours or horovodrun): they describe the process, they are no settings.
+_LAUNCHER_OUTPUTS = {
+    HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK,
+    HOROVOD_CROSS_SIZE, HOROVOD_HOSTNAME, "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+    "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_SECRET_KEY", "HOROVOD_GLOO_GLOBAL_PREFIX",
+    "HOROVOD_GLOO_LOCAL_PREFIX", "HOROVOD_GLOO_CROSS_PREFIX", "HOROVOD_GLOO_GET_RANK_AND_SIZE",
+}
+# Read by Horovod's pip build only; images built for Horovod often keep them set.
+_BUILD_PREFIXES = (
+    "HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_GPU", "HOROVOD_BUILD_", "HOROVOD_CUDA_",
+    "HOROVOD_NCCL_", "HOROVOD_ROCM_", "HOROVOD_NVTX_", "HOROVOD_CMAKE", "HOROVOD_DEBUG",
+    "HOROVOD_ALLOW_MIXED_GPU_IMPL", "HOROVOD_SKIP_COMPILE", "HOROVOD_LOCAL_VERSION",
+    "HOROVOD_CPU_OPERATIONS_DEFAULT",
+)
+# Flags that are harmless when off (they ask for what this package does anyway).
+_FLAGS_WHY = {
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "hierarchical allreduce is not implemented (one ring; "
+                                      "shared memory between ranks on a host)",
+    "HOROVOD_HIERARCHICAL_ALLGATHER": "hierarchical allgather is not implemented",
+    "HOROVOD_TORUS_ALLREDUCE": "torus allreduce is not implemented",
+    "HOROVOD_AUTOTUNE": "autotuning is not implemented; set HVD_SPARK_FUSION_THRESHOLD and "
+                        "HVD_SPARK_CYCLE_TIME",
+    "HOROVOD_ELASTIC": "elastic training is not supported yet",
+    "HOROVOD_ENABLE_XLA_OPS": "XLA ops are not provided",
+    "HOROVOD_ENABLE_ASYNC_COMPLETION": "a GPU-only option of Horovod's NCCL path",
+    "HOROVOD_BATCH_D2D_MEMCOPIES": "a GPU-only option of Horovod's NCCL path",
+    "HOROVOD_DISABLE_GROUP_FUSION": "grouped collectives are always fused with others",
+    "HOROVOD_MPI_THREADS_DISABLE": "there is no MPI backend",
+    "HOROVOD_DISABLE_NVTX_RANGES": "no NVTX ranges are emitted",
+    "HOROVOD_LOG_HIDE_TIME": "log records go through Python logging: format them with a "
+                             "handler",
+    "HOROVOD_CACHE_CAPACITY": "there is no response cache",
+}
+# Settings with a value this package always has; any other value cannot be honoured.
+_CHOICES_WHY = {
+    "HOROVOD_CONTROLLER": ("gloo", "the controller is hvd_spark's own TCP coordinator"),
+    "HOROVOD_CPU_OPERATIONS": ("gloo", "CPU collectives run on hvd_spark's TCP backend"),
+}
+# Settings that always ask for something not there.
+_ALWAYS_WHY = {
+    "HOROVOD_THREAD_AFFINITY": "the background thread is not pinned",
+    "HOROVOD_NUM_NCCL_STREAMS": "there is no NCCL backend yet",
+    "HOROVOD_CCL_CACHE": "there is no oneCCL backend",
+    "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "there is no MPI backend",
+    "HOROVOD_ELASTIC_TIMEOUT": "elastic training is not supported yet",
+    "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "hvd_spark.run(use_gpu=True) gives each rank its "
+                                              "task's GPUs",
+    "HOROVOD_SPARK_WORK_DIR": "hvd_spark.run needs no work directory",
+    "HOROVOD_SPARK_PYTHONPATH": "ranks inherit the executor's Python path",
+}
+_AUTOTUNE_PREFIX = "HOROVOD_AUTOTUNE_"
+
+_warn_lock = threading.Lock()
+_warned = False
+log = logging.getLogger("hvd_spark")
+
+
+def unsupported_horovod_vars(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``HOROVOD_*`` settings in ``environ`` this package cannot honour, with why.
+
+    Args:
+        environ: The environment to inspect (default ``os.environ``).
+
+    Returns:
+        ``{variable: reason}``, sorted by variable name; empty when all are honoured.
+    """
+    environ = os.environ if environ is None else environ
+    found: dict[str, str] = {}
+    for var in sorted(v for v in environ if v.startswith("HOROVOD_")):
+        value = environ[var]
+        if var in _HONOURED or var in _LAUNCHER_OUTPUTS or var.startswith(_BUILD_PREFIXES):
+            continue
+        if var in _FLAGS_WHY:
+            if is_true(value):
+                found[var] = _FLAGS_WHY[var]
+        elif var in _CHOICES_WHY:
+            allowed, why = _CHOICES_WHY[var]
+            if value.strip().lower() not in ("", allowed):
+                found[var] = why
+        elif var in _ALWAYS_WHY:
+            found[var] = _ALWAYS_WHY[var]
+        elif var.startswith(_AUTOTUNE_PREFIX):
+            found[var] = _FLAGS_WHY["HOROVOD_AUTOTUNE"]
+        else:
+            found[var] = "not a setting hvd_spark knows (a typo?)"
+    return found
+
+
+def warn_unsupported_horovod_vars() -> dict[str, str]:
+    """Log one warning naming every ``HOROVOD_*`` setting that cannot be honoured.
+
+    Warns at most once per process (later calls return what the first one found
+    without logging). Call it from ``init()``.
+
+    Returns:
+        ``{variable: reason}`` as ``unsupported_horovod_vars`` finds them.
+    """
+    global _warned
+    found = unsupported_horovod_vars()
+    with _warn_lock:
+        if _warned or not found:
+            return found
+        _warned = True
+    listed = "; ".join(f"{var}={os.environ[var]!r} ({why})" for var, why in found.items())
+    log.warning("hvd_spark ignores these Horovod settings: %s", listed)
+    return found

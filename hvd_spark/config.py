@@ -7,6 +7,9 @@ checks itself in ``__post_init__`` so a bad value fails at start-up with its nam
 from __future__ import annotations
 
 import dataclasses
+import math
+import secrets
+import socket
 
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
@@ -17,6 +20,7 @@ DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
 DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_STALL_WARNING_S = 60.0
+TIMELINE_DYNAMIC = "DYNAMIC"  # HOROVOD_TIMELINE's value for "no file yet: start_timeline() later"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,14 @@ class EngineConfig:
             operation (a lone operation never waits).
         chunk_bytes: Bytes per pipelined ring chunk (also the shared-memory slot size).
         use_shm: Use shared memory between ranks on the same host.
-        stall_warning: Seconds after which a tensor some ranks have not submitted is logged.
+        stall_warning: Seconds after which a tensor some ranks have not submitted is logged
+            (``math.inf``: never, as with HOROVOD_STALL_CHECK_DISABLE=1).
+        stall_shutdown: Seconds after which such a stalled tensor fails the job
+            (0: never, Horovod's default).
+        timeline_path: Chrome-trace timeline file to write from ``init()`` ("" : none).
+        timeline_mark_cycles: Mark each engine cycle in the timeline.
+        timeline_dynamic: The timeline variable was ``DYNAMIC``: no file at start,
+            ``start_timeline()`` opens one later (Horovod requires this to call it).
     """
 
     timeout: float = DEFAULT_TIMEOUT_S
@@ -40,30 +51,61 @@ class EngineConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     use_shm: bool = True
     stall_warning: float = DEFAULT_STALL_WARNING_S
+    stall_shutdown: float = 0.0
+    timeline_path: str = ""
+    timeline_mark_cycles: bool = False
+    timeline_dynamic: bool = False
 
     def __post_init__(self) -> None:
+        # Messages name the variable that supplied the value (ours or Horovod's).
         if self.timeout <= 0:
-            raise ConfigError(f"{_env.TIMEOUT} must be positive seconds, got {self.timeout}")
-        if self.fusion_threshold < 0:
             raise ConfigError(
-                f"{_env.FUSION_THRESHOLD} must be >= 0 bytes, got {self.fusion_threshold}"
-            )
+                f"{_env.source(_env.TIMEOUT)} must be positive seconds, got {self.timeout}")
+        if self.fusion_threshold < 0:
+            raise ConfigError(f"{_env.source(_env.FUSION_THRESHOLD)} must be >= 0 bytes, "
+                              f"got {self.fusion_threshold}")
         if self.cycle_time_ms < 0:
-            raise ConfigError(f"{_env.CYCLE_TIME} must be >= 0 ms, got {self.cycle_time_ms}")
+            raise ConfigError(
+                f"{_env.source(_env.CYCLE_TIME)} must be >= 0 ms, got {self.cycle_time_ms}")
         if self.chunk_bytes < 4096:
             raise ConfigError(f"{_env.CHUNK_BYTES} must be at least 4096, got {self.chunk_bytes}")
+        if not self.stall_warning > 0:
+            raise ConfigError(f"{_env.source(_env.STALL_WARNING)} must be positive seconds, "
+                              f"got {self.stall_warning}")
+        if self.stall_shutdown < 0:
+            raise ConfigError(f"{_env.source(_env.STALL_SHUTDOWN)} must be >= 0 seconds "
+                              f"(0: never), got {self.stall_shutdown}")
+        if 0 < self.stall_shutdown < self.stall_warning:
+            raise ConfigError(
+                f"{_env.source(_env.STALL_SHUTDOWN)}={self.stall_shutdown:g} is shorter than the "
+                f"stall warning time ({self.stall_warning:g} s, "
+                f"{_env.source(_env.STALL_WARNING)}): make it at least as long, or 0 for never")
 
     @classmethod
     def from_env(cls) -> EngineConfig:
-        """Build the configuration from HVD_SPARK_* variables, defaults elsewhere."""
+        """Build the configuration from HVD_SPARK_* variables (Horovod's names where ours
+        are unset), defaults elsewhere."""
+        stall_off = _env.get_bool(_env.STALL_CHECK_DISABLE)
+        timeline = _env.get_str(_env.TIMELINE, "") or ""
+        dynamic = timeline.strip() == TIMELINE_DYNAMIC
         return cls(
             timeout=_env.get_float(_env.TIMEOUT, DEFAULT_TIMEOUT_S),
             fusion_threshold=_env.get_int(_env.FUSION_THRESHOLD, DEFAULT_FUSION_THRESHOLD),
             cycle_time_ms=_env.get_float(_env.CYCLE_TIME, DEFAULT_CYCLE_TIME_MS),
             chunk_bytes=_env.get_int(_env.CHUNK_BYTES, DEFAULT_CHUNK_BYTES),
             use_shm=not _env.get_bool(_env.DISABLE_SHM),
-            stall_warning=_env.get_float(_env.STALL_WARNING, DEFAULT_STALL_WARNING_S),
+            stall_warning=(math.inf if stall_off
+                           else _env.get_float(_env.STALL_WARNING, DEFAULT_STALL_WARNING_S)),
+            stall_shutdown=0.0 if stall_off else _env.get_float(_env.STALL_SHUTDOWN, 0.0),
+            timeline_path="" if dynamic else timeline,
+            timeline_mark_cycles=_env.get_bool(_env.TIMELINE_MARK_CYCLES),
+            timeline_dynamic=dynamic,
         )
+
+
+# Set by other launchers (horovodrun, mpirun, torchrun): ranks started by them cannot
+# join an hvd_spark job, and must not silently train alone as one-rank jobs.
+_FOREIGN_SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +119,14 @@ class WorldInfo:
         local_size: Number of ranks on this host.
         cross_rank: Index of this host among the hosts (ranks with the same local_rank).
         cross_size: Number of hosts.
-        rendezvous_addr: ``host:port`` of the launcher's authenticated rendezvous store.
+        rendezvous_addr: ``host:port`` of the launcher's authenticated rendezvous store
+            ("" when standalone).
         secret: The job's random secret (bytes); proves membership on every connection.
         hostname: Name used to group ranks by host.
         advertise_addr: Address peers should dial to reach this rank; empty means the
             local address of the connection to the rendezvous store.
+        standalone: No launcher started this process (a plain ``python train.py``):
+            a one-rank job with nobody to connect to.
     """
 
     rank: int
@@ -94,6 +139,7 @@ class WorldInfo:
     secret: bytes
     hostname: str
     advertise_addr: str = ""
+    standalone: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -110,16 +156,35 @@ class WorldInfo:
             )
         if len(self.secret) < 16:
             raise ConfigError(f"{_env.SECRET} must hold at least 16 random bytes (hex encoded)")
+        if self.standalone and self.size != 1:
+            raise ConfigError(f"a standalone world has one rank, got size={self.size}")
+
+    @classmethod
+    def standalone_world(cls) -> WorldInfo:
+        """The one-rank world of a process no launcher started."""
+        return cls(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+                   rendezvous_addr="", secret=secrets.token_bytes(32),
+                   hostname=socket.gethostname(), advertise_addr="", standalone=True)
 
     @classmethod
     def from_env(cls) -> WorldInfo:
-        """Read the launcher-set variables; a ConfigError says which one is missing."""
-        import socket
+        """Read the launcher-set variables.
 
-        size = int(_env.require_str(_env.SIZE))
-        rank = int(_env.require_str(_env.RANK))
+        With none of them set (no launcher), this is a standalone one-rank world, as
+        in Horovod, unless another launcher's variables say there are more ranks.
+
+        Raises:
+            ConfigError: A launcher variable is missing or malformed (naming it), or the
+                process was started by another launcher for more than one rank.
+        """
+        if not any(_env.get_str(var) for var in _env.LAUNCHER_VARS):
+            _refuse_foreign_launcher()
+            return cls.standalone_world()
+        size = _env_int(_env.SIZE)
+        rank = _env_int(_env.RANK)
+        secret_hex = _env.require_str(_env.SECRET)
         try:
-            secret = bytes.fromhex(_env.require_str(_env.SECRET))
+            secret = bytes.fromhex(secret_hex)
         except ValueError:
             raise ConfigError(f"{_env.SECRET} is not hex-encoded") from None
         return cls(
@@ -132,5 +197,59 @@ class WorldInfo:
             rendezvous_addr=_env.require_str(_env.RENDEZVOUS_ADDR),
             secret=secret,
             hostname=_env.get_str(_env.HOSTNAME) or socket.gethostname(),
-            advertise_addr=_env.get_str(_env.ADVERTISE_ADDR) or "",
+            advertise_addr=_advertise_addr(),
         )
+
+
+def _env_int(name: str) -> int:
+    value = _env.require_str(name)
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer") from None
+
+
+def _refuse_foreign_launcher() -> None:
+    for var in _FOREIGN_SIZE_VARS:
+        value = _env.get_str(var) or ""
+        if value.strip().isdigit() and int(value) > 1:
+            raise ConfigError(
+                f"{var}={value} says another launcher started this process as one of "
+                f"{value} ranks, but hvd_spark ranks must be started by hvdrun, "
+                "hvd_spark.run or hvd_spark.runner.run_local (e.g. hvdrun -np "
+                f"{value} python train.py); without them each process would train alone")
+
+
+def _advertise_addr() -> str:
+    """HVD_SPARK_ADVERTISE_ADDR, else the IPv4 address of HVD_SPARK_IFACE /
+    HOROVOD_GLOO_IFACE, else "" (the address the rendezvous store sees)."""
+    addr = _env.get_str(_env.ADVERTISE_ADDR)
+    if addr:
+        return addr
+    found = _env.lookup(_env.IFACE)
+    if found is None:
+        return ""
+    var, names = found
+    for name in (n.strip() for n in names.split(",")):
+        address = interface_address(name)
+        if address:
+            return address
+    known = [name for _, name in socket.if_nameindex()]
+    raise ConfigError(
+        f"{var}={names!r}: no such network interface with an IPv4 address on "
+        f"{socket.gethostname()}; interfaces here: {known}")
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` ("" when it has none or is unknown)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915  # Linux ioctl: get the interface's address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), siocgifaddr,
+                                 struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return ""
+    return socket.inet_ntoa(packed[20:24])
