@@ -27,16 +27,48 @@ class AuthenticationError(HvdSparkError):
     """A peer failed to prove that it knows this job's secret."""
 
 
-class CollectiveError(HvdSparkError):
-    """A collective operation failed (mismatched arguments, broken ring, engine stopped)."""
+class CollectiveError(HvdSparkError, RuntimeError):
+    """A collective operation failed (mismatched arguments, broken ring, engine stopped).
+
+    A ``RuntimeError``, as Horovod's collective errors are, so ported ``except`` clauses work.
+    """
+
+
+class CollectiveArgumentError(CollectiveError, ValueError):
+    """Ranks passed arguments that cannot work together (dtype, shape, op, root, splits).
+
+    Also a ``ValueError``: Horovod raises either for these, depending on where it checks.
+    """
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """A collective operation did not complete before its deadline."""
 
 
-class PeerDisconnectedError(CollectiveError):
+class HorovodInternalError(CollectiveError):
+    """The collectives stopped working on this rank (a peer died, the ring broke).
+
+    Horovod's name: elastic training catches it, restores the last commit and re-forms the ring.
+    """
+
+
+class PeerDisconnectedError(HorovodInternalError):
     """A peer rank closed its connection or died while a collective was running."""
+
+
+class HostsUpdatedInterrupt(HvdSparkError, RuntimeError):
+    """Hosts were added or removed: elastic training re-forms the ring at the next commit.
+
+    Args:
+        skip_sync: True when the state need not be synced again (only ranks were added).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the set of hosts changed; the job re-forms its ring")
+        self.skip_sync = skip_sync
+
+    def __reduce__(self):
+        return (HostsUpdatedInterrupt, (self.skip_sync,))
 
 
 class DataError(HvdSparkError):

@@ -7,6 +7,7 @@ Configuration comes from the environment the launchers set; users only call
 from __future__ import annotations
 
 import atexit
+import collections
 import itertools
 import pickle
 import threading
@@ -21,43 +22,75 @@ from hvd_spark.collectives import registry
 from hvd_spark.collectives.engine import Engine
 from hvd_spark.collectives.operations import Entry, Handle
 from hvd_spark.collectives.ops import ReduceOp, check_dtype, check_reduction, scale_in_place
+from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.mesh import build_mesh
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S, EngineConfig, WorldInfo
-from hvd_spark.errors import CollectiveError, ConfigError
+from hvd_spark.errors import CollectiveArgumentError, CollectiveError, ConfigError, HvdSparkError
 
 _lock = threading.Lock()
 _world: WorldInfo | None = None
 _engine: Engine | None = None
 _epoch = itertools.count()
-_names = itertools.count()
+# Automatic names count per process set, so that they agree among each set's members.
+_names: dict[int, itertools.count] = {}
+#: Process sets added on this rank, by id (the global set is 0).
+_process_sets: dict[int, ProcessSet] = {}
+_homogeneous = [True]
 
 
-def init() -> None:
-    """Join the job: connect to every other rank. Safe to call more than once."""
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
+    """Join the job: connect to every other rank. Safe to call more than once.
+
+    Run without a launcher (a plain ``python train.py``), this is a one-rank job.
+
+    Args:
+        comm: Horovod's MPI communicator argument; only None (or every rank, as a list
+            of ranks equal to the whole job) is supported: launch with hvdrun instead.
+        process_sets: Process sets to add at start (Horovod's static process sets).
+    """
     global _world, _engine
+    if comm is not None and not isinstance(comm, (list, tuple)):
+        raise ConfigError(
+            "init(comm=...) with an MPI communicator is not supported: hvd_spark forms its own "
+            "ring; start the ranks with hvdrun or hvd_spark.run and call init()")
     with _lock:
         if _engine is not None:
             return
         world = WorldInfo.from_env()
         config = EngineConfig.from_env()
         factory = registry.resolve(_env.get_str(_env.BACKEND, "auto") or "auto")
-        start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
-        store = StoreClient(wire.parse_addr(world.rendezvous_addr), world.secret, start_timeout)
-        try:
-            mesh = build_mesh(
-                world.rank, world.size, store, world.secret, world.hostname,
-                world.advertise_addr, start_timeout, next(_epoch),
-            )
-        finally:
-            store.close()
-        for sock in [*mesh.data.values(), *mesh.control.values()]:
-            sock.settimeout(config.timeout)
-        comm = factory(world, config, mesh.data)
-        _engine = Engine(world.rank, world.size, comm, mesh.control, config)
+        if not world.rendezvous_addr:
+            # No launcher: a one-rank job, as Horovod gives a plain `python train.py`.
+            comm_, control = factory(world, config, {}), {}
+        else:
+            start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+            store = StoreClient(wire.parse_addr(world.rendezvous_addr), world.secret,
+                                start_timeout)
+            try:
+                mesh = build_mesh(
+                    world.rank, world.size, store, world.secret, world.hostname,
+                    world.advertise_addr, start_timeout, next(_epoch),
+                )
+            finally:
+                store.close()
+            for sock in [*mesh.data.values(), *mesh.control.values()]:
+                sock.settimeout(config.timeout)
+            comm_, control = factory(world, config, mesh.data), mesh.control
+        _engine = Engine(world.rank, world.size, comm_, control, config)
         _world = world
+        hosts = mesh.hosts if world.rendezvous_addr else {0: world.hostname}
+        per_host = collections.Counter(hosts.values())
+        _homogeneous[0] = len(set(per_host.values())) <= 1
+        _names.clear()
+        _process_sets.clear()
+        global_process_set.ranks = list(range(world.size))
+        global_process_set._bind(0, world.rank)
+        _process_sets[0] = global_process_set
     atexit.register(shutdown)
+    for ps in process_sets or ():
+        add_process_set(ps)
 
 
 def shutdown() -> None:
@@ -65,6 +98,10 @@ def shutdown() -> None:
     global _world, _engine
     with _lock:
         engine, _engine, _world = _engine, None, None
+        for ps in _process_sets.values():
+            if ps is not global_process_set:
+                ps._invalidate()
+        _process_sets.clear()
     if engine is not None:
         engine.shutdown()
 
@@ -111,13 +148,90 @@ def cross_size() -> int:
     return _require()[0].cross_size
 
 
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks."""
+    _require()
+    return _homogeneous[0]
+
+
 def backend_name() -> str:
     """Name of the backend moving the bytes (e.g. "tcp")."""
     return _require()[1].comm.name
 
 
-def _auto_name(kind: str, name: str | None) -> str:
-    return name if name is not None else f"{kind}.noname.{next(_names)}"
+
+# ---------------------------------------------------------------------- names and submission
+
+def _members(process_set: ProcessSet, what: str) -> tuple[int, ...] | None:
+    """The engine's member tuple for ``process_set``; raises on a rank outside it."""
+    if process_set is global_process_set:
+        return None
+    world, _ = _require()
+    if not isinstance(process_set, ProcessSet):
+        raise ConfigError(f"{what}: process_set must be a ProcessSet, got {process_set!r}")
+    if process_set.process_set_id is None or process_set.process_set_id not in _process_sets:
+        raise ConfigError(
+            f"{what}: {process_set} was not added (or was removed); call add_process_set first")
+    if world.rank not in process_set.ranks:
+        raise ConfigError(
+            f"{what}: rank {world.rank} is not a member of {process_set}; only its ranks "
+            f"{process_set.ranks} may call collectives on it")
+    return process_set.members()
+
+
+def auto_name(kind: str, name: str | None, process_set: ProcessSet = global_process_set) -> str:
+    """The engine-level name of an operation: ``name`` or the next automatic one.
+
+    Operations of a process set other than the global one are namespaced by its id, so
+    the same user name may be used in several sets.
+    """
+    ps_id = process_set.process_set_id or 0
+    if name is None:
+        counter = _names.get(ps_id)
+        if counter is None:
+            counter = _names[ps_id] = itertools.count()
+        name = f"{kind}.noname.{next(counter)}"
+    return name if ps_id == 0 else f"ps{ps_id}/{name}"
+
+
+def report_failure(kind: str, key: str, exc: BaseException,
+                   members: tuple[int, ...] | None = None) -> None:
+    """Tell the other ranks that this rank's ``key`` failed its local checks.
+
+    The coordinator then fails ``key`` on every rank with this rank's reason, instead of
+    the other ranks waiting for a partner that never comes; automatic names stay aligned.
+    """
+    engine = _engine
+    if engine is None:
+        return
+    request = m.Request(key, kind, members=members, error=f"{type(exc).__name__}: {exc}")
+    try:
+        engine.submit(Entry(request, Handle(key), np.empty(0, np.uint8)))
+    except HvdSparkError:
+        pass  # the name is in flight already (the error is about that) or the engine stopped
+
+
+def _start(kind: str, name: str | None, process_set: ProcessSet, build) -> Handle:
+    """Name, validate and submit one operation.
+
+    ``build(key, members)`` returns ``(request, working_array, finish or None)``. When it
+    raises, the failure is reported to the other ranks before it propagates.
+    """
+    _, engine = _require()
+    what = f"{kind} {name!r}" if name is not None else kind
+    members = _members(process_set, what)
+    key = auto_name(kind, name, process_set)
+    try:
+        request, work, finish = build(key, members)
+    except (HvdSparkError, ValueError, TypeError) as exc:
+        report_failure(kind, key, exc, members)
+        if isinstance(exc, HvdSparkError):
+            raise
+        raise CollectiveArgumentError(f"{kind} {key!r}: {exc}") from exc
+    entry = Entry(request, Handle(key), work)
+    if finish is not None:
+        entry.finish = finish
+    return engine.submit(entry)
 
 
 def _as_array(array: Any, what: str) -> np.ndarray:
@@ -125,20 +239,12 @@ def _as_array(array: Any, what: str) -> np.ndarray:
         if isinstance(array, (int, float, bool, np.generic)):
             array = np.asarray(array)
         else:
-            raise CollectiveError(
+            raise CollectiveArgumentError(
                 f"{what} expects a numpy array, got {type(array).__name__}; "
                 "use the torch/tensorflow bindings for framework tensors"
             )
     check_dtype(array.dtype, what)
     return array
-
-
-def _submit(request: m.Request, array: np.ndarray, finish=None) -> Handle:
-    _, engine = _require()
-    entry = Entry(request, Handle(request.name), array)
-    if finish is not None:
-        entry.finish = finish
-    return engine.submit(entry)
 
 
 def synchronize(handle: Handle) -> Any:
@@ -171,75 +277,104 @@ def _dtype_name(dtype: np.dtype) -> str:
     return name
 
 
-def _allreduce_entry(array, name, op, prescale, postscale, inplace: bool) -> Entry:
-    """Validate and prepare one rank's allreduce of ``array``."""
-    name = _auto_name(m.ALLREDUCE, name)
-    array = _as_array(array, f"allreduce {name!r}")
-    op = ReduceOp(op)
-    if inplace:
-        if not array.flags.writeable:
-            raise CollectiveError(f"allreduce_ {name!r}: the array is read-only")
-        work = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-    else:
-        work = np.array(array, order="C", copy=True)
-    if prescale != 1.0:
-        check_reduction(work.dtype, op, prescale, postscale, name)
-        if work is array:
-            work = np.array(work, copy=True)  # never scale the caller's data before sending
-        scale_in_place(work, prescale)
-    request = m.Request(name, m.ALLREDUCE, _dtype_name(work.dtype), work.shape, int(op),
-                        float(prescale), float(postscale))
-    entry = Entry(request, Handle(name), work)
-    if inplace:
-        entry.finish = _in_place_finish(array)
-    return entry
+def _set_rank(process_set: ProcessSet, global_rank: int, what: str) -> int:
+    """A global root rank as its index in ``process_set`` (Horovod passes global ranks)."""
+    if process_set is global_process_set:
+        return int(global_rank)
+    if int(global_rank) not in process_set.ranks:
+        raise CollectiveArgumentError(
+            f"{what}: root_rank {global_rank} is not a member of {process_set}")
+    return process_set.ranks.index(int(global_rank))
 
 
-def allreduce_async(
-    array: np.ndarray,
-    name: str | None = None,
-    op: ReduceOp = ReduceOp.Average,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> Handle:
+# ---------------------------------------------------------------------- allreduce
+
+def _allreduce_build(array, op, prescale, postscale, inplace: bool):
+    def build(key: str, members):
+        arr = _as_array(array, f"allreduce {key!r}")
+        reduce_op = ReduceOp(op)
+        if inplace:
+            if not arr.flags.writeable:
+                raise CollectiveArgumentError(f"allreduce_ {key!r}: the array is read-only")
+            work = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+        else:
+            work = np.array(arr, order="C", copy=True)
+        check_reduction(work.dtype, reduce_op, prescale, postscale, key)
+        if prescale != 1.0:
+            if work is arr:
+                work = np.array(work, copy=True)  # never scale the caller's data before sending
+            scale_in_place(work, prescale)
+        request = m.Request(key, m.ALLREDUCE, _dtype_name(work.dtype), work.shape, int(reduce_op),
+                            float(prescale), float(postscale), members=members)
+        return request, work, (_in_place_finish(arr) if inplace else None)
+
+    return build
+
+
+def allreduce_async(array: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce of ``array``; the handle's result is a new array."""
-    entry = _allreduce_entry(array, name, op, prescale_factor, postscale_factor, inplace=False)
-    return _require()[1].submit(entry)
+    build = _allreduce_build(array, op, prescale_factor, postscale_factor, inplace=False)
+    return _start(m.ALLREDUCE, name, process_set, build)
 
 
-def allreduce_async_(
-    array: np.ndarray,
-    name: str | None = None,
-    op: ReduceOp = ReduceOp.Average,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> Handle:
+def allreduce_async_(array: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce: ``array`` itself receives the result."""
-    entry = _allreduce_entry(array, name, op, prescale_factor, postscale_factor, inplace=True)
-    return _require()[1].submit(entry)
+    build = _allreduce_build(array, op, prescale_factor, postscale_factor, inplace=True)
+    return _start(m.ALLREDUCE, name, process_set, build)
 
 
-def allreduce(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
+              process_set: ProcessSet = global_process_set):
     """Reduce ``array`` across ranks (Average by default) and return a new array."""
-    return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor,
+                                       process_set))
 
 
-def allreduce_(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
+               process_set: ProcessSet = global_process_set):
     """Reduce ``array`` across ranks in place; returns ``array``."""
-    return synchronize(allreduce_async_(array, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(array, name, op, prescale_factor, postscale_factor,
+                                        process_set))
 
 
-def _grouped(arrays, name, op, prescale, postscale, inplace: bool) -> list[Handle]:
-    base = _auto_name("grouped_allreduce", name)
-    entries = [_allreduce_entry(a, f"{base}.{i}", op, prescale, postscale, inplace)
-               for i, a in enumerate(arrays)]
+def _many(kind: str, keys: list[str], builds: list, members) -> list[Handle]:
+    """Build and submit several operations as one batch; a local failure fails them all."""
+    _, engine = _require()
+    entries = []
+    try:
+        for key, build in zip(keys, builds):
+            request, work, finish = build(key, members)
+            entry = Entry(request, Handle(key), work)
+            if finish is not None:
+                entry.finish = finish
+            entries.append(entry)
+    except (HvdSparkError, ValueError, TypeError) as exc:
+        for key in keys:
+            report_failure(kind, key, exc, members)
+        if isinstance(exc, HvdSparkError):
+            raise
+        raise CollectiveArgumentError(f"{kind} {keys[0]!r}: {exc}") from exc
     # One batch: the coordinator sees all of them at once and fuses them.
-    return _require()[1].submit_many(entries) if entries else []
+    return engine.submit_many(entries) if entries else []
+
+
+def _grouped(kind: str, arrays, name, process_set, make_build) -> list[Handle]:
+    if isinstance(arrays, np.ndarray) or not isinstance(arrays, Sequence):
+        raise ConfigError(f"grouped {kind} expects a list of arrays, got {type(arrays).__name__}")
+    members = _members(process_set, f"grouped {kind}")
+    base = auto_name(f"grouped_{kind}", name, process_set)
+    keys = [f"{base}.{i}" for i in range(len(arrays))]
+    return _many(kind, keys, [make_build(a) for a in arrays], members)
 
 
 def allreduce_many_async_(
     arrays: Sequence[np.ndarray], names: Sequence[str], op: ReduceOp = ReduceOp.Average,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> list[Handle]:
     """Start in-place allreduces of ``arrays`` named ``names``, submitted in one batch.
 
@@ -249,151 +384,309 @@ def allreduce_many_async_(
     """
     if len(arrays) != len(names):
         raise ConfigError(f"allreduce_many_async_ got {len(arrays)} arrays but {len(names)} names")
-    entries = [_allreduce_entry(a, n, op, prescale_factor, postscale_factor, inplace=True)
-               for a, n in zip(arrays, names)]
-    return _require()[1].submit_many(entries) if entries else []
+    members = _members(process_set, "allreduce")
+    keys = [auto_name(m.ALLREDUCE, n, process_set) for n in names]
+    builds = [_allreduce_build(a, op, prescale_factor, postscale_factor, inplace=True)
+              for a in arrays]
+    return _many(m.ALLREDUCE, keys, builds, members)
 
 
 def grouped_allreduce_async(
     arrays: Sequence[np.ndarray], name: str | None = None, op: ReduceOp = ReduceOp.Average,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> list[Handle]:
     """Start allreduces of several arrays as one fused batch; results are new arrays."""
-    return _grouped(arrays, name, op, prescale_factor, postscale_factor, inplace=False)
+    return _grouped(m.ALLREDUCE, arrays, name, process_set, lambda a: _allreduce_build(
+        a, op, prescale_factor, postscale_factor, inplace=False))
 
 
 def grouped_allreduce_async_(
     arrays: Sequence[np.ndarray], name: str | None = None, op: ReduceOp = ReduceOp.Average,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> list[Handle]:
     """Start in-place allreduces of several arrays as one fused batch."""
-    return _grouped(arrays, name, op, prescale_factor, postscale_factor, inplace=True)
+    return _grouped(m.ALLREDUCE, arrays, name, process_set, lambda a: _allreduce_build(
+        a, op, prescale_factor, postscale_factor, inplace=True))
 
 
 def grouped_allreduce(arrays, name=None, op=ReduceOp.Average, prescale_factor=1.0,
-                      postscale_factor=1.0) -> list[np.ndarray]:
+                      postscale_factor=1.0,
+                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     """Allreduce several arrays as one fused operation; returns new arrays."""
-    handles = grouped_allreduce_async(arrays, name, op, prescale_factor, postscale_factor)
+    handles = grouped_allreduce_async(arrays, name, op, prescale_factor, postscale_factor,
+                                      process_set)
     return [synchronize(h) for h in handles]
 
 
 def grouped_allreduce_(arrays, name=None, op=ReduceOp.Average, prescale_factor=1.0,
-                       postscale_factor=1.0) -> list[np.ndarray]:
+                       postscale_factor=1.0,
+                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     """Allreduce several arrays in place as one fused operation."""
-    handles = grouped_allreduce_async_(arrays, name, op, prescale_factor, postscale_factor)
+    handles = grouped_allreduce_async_(arrays, name, op, prescale_factor, postscale_factor,
+                                       process_set)
     return [synchronize(h) for h in handles]
 
 
-def allgather_async(array: np.ndarray, name: str | None = None) -> Handle:
+# ---------------------------------------------------------------------- the other collectives
+
+def _allgather_build(array):
+    def build(key: str, members):
+        arr = _as_array(array, f"allgather {key!r}")
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        work = np.ascontiguousarray(arr)
+        request = m.Request(key, m.ALLGATHER, _dtype_name(work.dtype), work.shape,
+                            members=members)
+        return request, work, None
+
+    return build
+
+
+def allgather_async(array: np.ndarray, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating every rank's array along dim 0 (first dims may differ)."""
-    name = _auto_name(m.ALLGATHER, name)
-    array = _as_array(array, f"allgather {name!r}")
-    if array.ndim == 0:
-        array = array.reshape(1)
-    work = np.ascontiguousarray(array)
-    return _submit(m.Request(name, m.ALLGATHER, _dtype_name(work.dtype), work.shape), work)
+    return _start(m.ALLGATHER, name, process_set, _allgather_build(array))
 
 
-def allgather(array: np.ndarray, name: str | None = None) -> np.ndarray:
+def allgather(array: np.ndarray, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenate every rank's array along dim 0."""
-    return synchronize(allgather_async(array, name))
+    return synchronize(allgather_async(array, name, process_set))
 
 
-def broadcast_async(array: np.ndarray, root_rank: int, name: str | None = None) -> Handle:
+def grouped_allgather_async(arrays: Sequence[np.ndarray], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> list[Handle]:
+    """Start allgathers of several arrays, submitted together."""
+    return _grouped(m.ALLGATHER, arrays, name, process_set, _allgather_build)
+
+
+def grouped_allgather(arrays: Sequence[np.ndarray], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    """Allgather several arrays; returns one concatenation per array."""
+    return [synchronize(h) for h in grouped_allgather_async(arrays, name, process_set)]
+
+
+def _broadcast_build(array, root_rank: int, process_set: ProcessSet, inplace: bool):
+    def build(key: str, members):
+        arr = _as_array(array, f"broadcast {key!r}")
+        root = _set_rank(process_set, root_rank, f"broadcast {key!r}")
+        if inplace:
+            work = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+        else:
+            work = np.array(arr, order="C", copy=True)
+        request = m.Request(key, m.BROADCAST, _dtype_name(work.dtype), work.shape, root=root,
+                            members=members)
+        return request, work, (_in_place_finish(arr) if inplace else None)
+
+    return build
+
+
+def broadcast_async(array: np.ndarray, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start broadcasting root's ``array``; the result is a new array on every rank."""
-    name = _auto_name(m.BROADCAST, name)
-    array = _as_array(array, f"broadcast {name!r}")
-    work = np.array(array, order="C", copy=True)
-    request = m.Request(name, m.BROADCAST, _dtype_name(work.dtype), work.shape, root=int(root_rank))
-    return _submit(request, work)
+    build = _broadcast_build(array, root_rank, process_set, inplace=False)
+    return _start(m.BROADCAST, name, process_set, build)
 
 
-def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place broadcast into ``array``."""
-    name = _auto_name(m.BROADCAST, name)
-    array = _as_array(array, f"broadcast {name!r}")
-    work = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-    request = m.Request(name, m.BROADCAST, _dtype_name(work.dtype), work.shape, root=int(root_rank))
-    return _submit(request, work, _in_place_finish(array))
+    build = _broadcast_build(array, root_rank, process_set, inplace=True)
+    return _start(m.BROADCAST, name, process_set, build)
 
 
-def broadcast(array: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
-    """Return root's ``array`` on every rank."""
-    return synchronize(broadcast_async(array, root_rank, name))
+def broadcast(array: np.ndarray, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Return root's ``array`` on every rank (``root_rank`` is a global rank)."""
+    return synchronize(broadcast_async(array, root_rank, name, process_set))
 
 
-def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
+def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Overwrite ``array`` with root's, in place."""
-    return synchronize(broadcast_async_(array, root_rank, name))
+    return synchronize(broadcast_async_(array, root_rank, name, process_set))
 
 
-def alltoall_async(
-    array: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None
-) -> Handle:
+def alltoall_async(array: np.ndarray, splits: Sequence[int] | None = None,
+                   name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall; the result is ``(received, received_splits)``."""
-    name = _auto_name(m.ALLTOALL, name)
-    array = _as_array(array, f"alltoall {name!r}")
-    work = np.ascontiguousarray(array)
-    split_t = None if splits is None else tuple(int(s) for s in np.asarray(splits).reshape(-1))
-    request = m.Request(name, m.ALLTOALL, _dtype_name(work.dtype), work.shape, splits=split_t)
-    return _submit(request, work)
+    def build(key: str, members):
+        arr = _as_array(array, f"alltoall {key!r}")
+        if arr.ndim == 0:
+            raise CollectiveArgumentError(f"alltoall {key!r} needs a tensor of rank >= 1")
+        work = np.ascontiguousarray(arr)
+        split_t = None
+        if splits is not None:
+            raw = np.asarray(splits)
+            if raw.dtype.kind not in "iu":
+                raise CollectiveArgumentError(
+                    f"alltoall {key!r}: splits must be integers, got dtype {raw.dtype}")
+            split_t = tuple(int(s) for s in raw.reshape(-1))
+        request = m.Request(key, m.ALLTOALL, _dtype_name(work.dtype), work.shape,
+                            splits=split_t, members=members)
+        return request, work, None
+
+    return _start(m.ALLTOALL, name, process_set, build)
 
 
-def alltoall(array, splits=None, name=None) -> tuple[np.ndarray, np.ndarray]:
+def alltoall(array, splits=None, name=None,
+             process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, np.ndarray]:
     """Send rows ``splits[j]`` to rank j; return what was received and from how many rows."""
-    return synchronize(alltoall_async(array, splits, name))
+    return synchronize(alltoall_async(array, splits, name, process_set))
+
+
+def _reducescatter_build(array, op, prescale, postscale):
+    def build(key: str, members):
+        arr = _as_array(array, f"reducescatter {key!r}")
+        work = np.array(arr, order="C", copy=True)
+        if work.ndim == 0:
+            work = work.reshape(1)
+        reduce_op = ReduceOp(op)
+        if reduce_op == ReduceOp.Adasum:
+            raise CollectiveArgumentError(
+                f"reducescatter {key!r}: Adasum is only supported by allreduce")
+        check_reduction(work.dtype, reduce_op, prescale, postscale, key)
+        scale_in_place(work, prescale)
+        request = m.Request(key, m.REDUCESCATTER, _dtype_name(work.dtype), work.shape,
+                            int(reduce_op), float(prescale), float(postscale), members=members)
+        return request, work, None
+
+    return build
 
 
 def reducescatter_async(
     array: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.Average,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start a reduce-scatter: reduce across ranks, each keeps its block of dim-0 rows."""
-    name = _auto_name(m.REDUCESCATTER, name)
-    array = _as_array(array, f"reducescatter {name!r}")
-    work = np.array(array, order="C", copy=True)
-    if work.ndim == 0:
-        work = work.reshape(1)
-    op = ReduceOp(op)
-    request = m.Request(name, m.REDUCESCATTER, _dtype_name(work.dtype), work.shape, int(op),
-                        float(prescale_factor), float(postscale_factor))
-    if prescale_factor != 1.0:
-        check_reduction(work.dtype, op, prescale_factor, postscale_factor, name)
-        scale_in_place(work, prescale_factor)
-    return _submit(request, work)
+    build = _reducescatter_build(array, op, prescale_factor, postscale_factor)
+    return _start(m.REDUCESCATTER, name, process_set, build)
 
 
 def reducescatter(array, name=None, op=ReduceOp.Average, prescale_factor=1.0,
-                  postscale_factor=1.0) -> np.ndarray:
+                  postscale_factor=1.0, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce across ranks; return this rank's block of rows (first ranks get extra rows)."""
-    return synchronize(reducescatter_async(array, name, op, prescale_factor, postscale_factor))
+    return synchronize(reducescatter_async(array, name, op, prescale_factor, postscale_factor,
+                                           process_set))
 
 
-def barrier(name: str | None = None) -> None:
-    """Return once every rank has called ``barrier``."""
-    name = _auto_name(m.BARRIER, name)
-    synchronize(_submit(m.Request(name, m.BARRIER), np.empty(0, np.uint8)))
+def grouped_reducescatter_async(
+    arrays: Sequence[np.ndarray], name: str | None = None, op: ReduceOp = ReduceOp.Average,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[Handle]:
+    """Start reduce-scatters of several arrays, submitted together."""
+    return _grouped(m.REDUCESCATTER, arrays, name, process_set, lambda a: _reducescatter_build(
+        a, op, prescale_factor, postscale_factor))
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+def grouped_reducescatter(arrays, name=None, op=ReduceOp.Average, prescale_factor=1.0,
+                          postscale_factor=1.0,
+                          process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    """Reduce-scatter several arrays; returns this rank's block of each."""
+    handles = grouped_reducescatter_async(arrays, name, op, prescale_factor, postscale_factor,
+                                          process_set)
+    return [synchronize(h) for h in handles]
+
+
+def barrier(name: str | None = None, process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank (of ``process_set``) has called ``barrier``."""
+    def build(key: str, members):
+        return m.Request(key, m.BARRIER, members=members), np.empty(0, np.uint8), None
+
+    synchronize(_start(m.BARRIER, name, process_set, build))
+
+
+def join() -> int:
+    """Leave the job's remaining allreduces to the other ranks, as Horovod's ``join``.
+
+    Until every rank has joined, this rank takes part in the other ranks' allreduces
+    with zeros (so uneven data never hangs them; Average still divides by the full
+    size). Other collectives fail while a rank has joined.
+
+    Returns:
+        The last rank to call ``join()``.
+    """
+    _, engine = _require()
+    request = m.Request(m.JOIN_NAME, m.JOIN)
+    return synchronize(engine.submit(Entry(request, Handle(m.JOIN_NAME), np.empty(0, np.uint8))))
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Return root's ``obj`` on every rank (pickled; only trusted ranks take part)."""
-    name = _auto_name("broadcast_object", name)
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if rank() == root_rank else None
+    name = name if name is not None else auto_name("broadcast_object", None, process_set)
+    me = rank()
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if me == root_rank else None
     length = np.array([0 if payload is None else payload.size], np.int64)
-    length = broadcast(length, root_rank, f"{name}.len")
+    length = broadcast(length, root_rank, f"{name}.len", process_set)
     buf = payload if payload is not None else np.empty(int(length[0]), np.uint8)
-    data = broadcast(buf, root_rank, f"{name}.data")
-    return obj if rank() == root_rank else pickle.loads(data.tobytes())
+    data = broadcast(buf, root_rank, f"{name}.data", process_set)
+    return obj if me == root_rank else pickle.loads(data.tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Return every rank's ``obj``, in rank order."""
-    name = _auto_name("allgather_object", name)
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Return every rank's ``obj`` (of ``process_set``), in rank order."""
+    name = name if name is not None else auto_name("allgather_object", None, process_set)
     payload = np.frombuffer(pickle.dumps(obj), np.uint8)
-    lengths = allgather(np.array([payload.size], np.int64), f"{name}.len")
-    data = allgather(payload, f"{name}.data")
+    lengths = allgather(np.array([payload.size], np.int64), f"{name}.len", process_set)
+    data = allgather(payload, f"{name}.data", process_set)
     out, start = [], 0
     for n in lengths.tolist():
         out.append(pickle.loads(data[start : start + n].tobytes()))
         start += n
     return out
+
+
+# ---------------------------------------------------------------------- process sets
+
+_ADD_PS = "hvd_spark.add_process_set"
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set on every rank (a collective: all ranks call it alike).
+
+    Returns:
+        The set, with its ``process_set_id`` assigned.
+
+    Raises:
+        ConfigError: Ranks outside the job, or a set with the same ranks exists.
+        CollectiveArgumentError: The ranks passed different sets.
+    """
+    world, _ = _require()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    proposals = allgather_object(ps.ranks, auto_name(_ADD_PS, None))
+    if any(p != proposals[0] for p in proposals):
+        raise CollectiveArgumentError(
+            f"add_process_set: ranks passed different sets ({proposals}); every rank must add "
+            "the same process sets in the same order")
+    bad = [r for r in ps.ranks if not 0 <= r < world.size]
+    if not ps.ranks or bad:
+        raise ConfigError(
+            f"add_process_set: ranks {ps.ranks} must be a non-empty subset of 0..{world.size - 1}")
+    if any(other.ranks == ps.ranks for other in _process_sets.values()):
+        raise ConfigError(f"add_process_set: a process set with ranks {ps.ranks} exists already")
+    ps._bind(max(_process_sets) + 1, world.rank)
+    _process_sets[ps.process_set_id] = ps
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set on every rank (a collective); False if it was not added."""
+    _require()
+    ps_id = process_set.process_set_id
+    ids = allgather_object(ps_id, auto_name(_ADD_PS, None))
+    if any(i != ids[0] for i in ids):
+        raise CollectiveArgumentError(
+            f"remove_process_set: ranks removed different process sets (ids {ids})")
+    if not ps_id or ps_id not in _process_sets:
+        return False
+    del _process_sets[ps_id]
+    _names.pop(ps_id, None)
+    process_set._invalidate()
+    return True

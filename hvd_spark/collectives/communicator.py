@@ -15,6 +15,7 @@ import numpy as np
 
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
+from hvd_spark.errors import BackendUnavailableError
 
 
 class Communicator(abc.ABC):
@@ -55,6 +56,14 @@ class Communicator(abc.ABC):
         recv_counts: Sequence[int],
     ) -> None:
         """Send block j of ``send`` to rank j; receive rank j's block for us into ``recv``."""
+
+    def subset(self, members: Sequence[int]) -> Communicator:
+        """A communicator among ``members`` (global ranks, ascending) for a process set.
+
+        It may share this communicator's connections: the engine runs one operation at a
+        time, in the same order on every rank.
+        """
+        raise BackendUnavailableError(f"the {self.name} backend does not support process sets")
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -2,6 +2,8 @@
 has asked for, whether they agree, and how ready allreduces fuse.
 
 Rank 0's engine feeds it requests from all ranks and sends out what it returns.
+Ranks are global ranks throughout; an operation in a process set waits only for
+that set's members, and ranks that called ``join()`` stand in with zeros.
 """
 
 from __future__ import annotations
@@ -21,74 +23,94 @@ def _disagreement(name: str, what: str, by_rank: dict[int, object]) -> str:
     return f"ranks disagree on the {what} of collective {name!r} ({values})"
 
 
+def _error(first: Request, name: str, message: str) -> Response:
+    return Response(first.kind, (name,), error=message, members=first.members)
+
+
 def validate(name: str, requests: dict[int, Request], size: int) -> Response:
-    """Check that all ranks' requests for ``name`` agree; return what to execute."""
+    """Check that the ranks' requests for ``name`` agree; return what to execute.
+
+    Args:
+        name: The operation's name.
+        requests: Global rank -> its request (every member, or every member still
+            running when others have joined).
+        size: Number of ranks in the operation's process set.
+    """
     first = requests[min(requests)]
-    for field, what in (("kind", "operation"), ("dtype", "dtype")):
+    failed = {r: q.error for r, q in requests.items() if q.error}
+    if failed:
+        reasons = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+        return _error(first, name, f"collective {name!r} failed on some ranks: {reasons}")
+    for field, what in (("kind", "operation"), ("dtype", "dtype"), ("members", "process set")):
         values = {r: getattr(q, field) for r, q in requests.items()}
         if len(set(values.values())) > 1:
-            return Response(first.kind, (name,), error=_disagreement(name, what, values))
+            return _error(first, name, _disagreement(name, what, values))
     kind = first.kind
     shapes = {r: q.shape for r, q in requests.items()}
     try:
-        if kind != m.BARRIER:
+        if kind not in (m.BARRIER, m.JOIN):
             check_dtype(np.dtype(first.dtype), name)
         if kind in (m.ALLREDUCE, m.REDUCESCATTER):
             check_reduction(
                 np.dtype(first.dtype), ReduceOp(first.op), first.prescale, first.postscale, name
             )
     except CollectiveError as exc:
-        return Response(kind, (name,), error=str(exc))
+        return _error(first, name, str(exc))
     if kind in (m.ALLREDUCE, m.REDUCESCATTER, m.BROADCAST):
         if len(set(shapes.values())) > 1:
-            return Response(kind, (name,), error=_disagreement(name, "shape", shapes))
+            return _error(first, name, _disagreement(name, "shape", shapes))
     if kind in (m.ALLREDUCE, m.REDUCESCATTER):
         for field, what in (("op", "reduce op"), ("prescale", "prescale_factor"),
                             ("postscale", "postscale_factor")):
             values = {r: getattr(q, field) for r, q in requests.items()}
             if len(set(values.values())) > 1:
-                return Response(kind, (name,), error=_disagreement(name, what, values))
-    if kind == m.REDUCESCATTER and (not first.shape or first.shape[0] < 1):
-        return Response(kind, (name,), error=f"reducescatter {name!r} needs a tensor of >= 1 row")
+                return _error(first, name, _disagreement(name, what, values))
+    if kind == m.REDUCESCATTER:
+        if first.op == ReduceOp.Adasum:
+            return _error(first, name, f"reducescatter {name!r}: Adasum is only for allreduce")
+        if not first.shape or first.shape[0] < 1:
+            return _error(first, name, f"reducescatter {name!r} needs a tensor of >= 1 row")
     if kind == m.BROADCAST:
         roots = {r: q.root for r, q in requests.items()}
         if len(set(roots.values())) > 1:
-            return Response(kind, (name,), error=_disagreement(name, "root_rank", roots))
+            return _error(first, name, _disagreement(name, "root_rank", roots))
         if not 0 <= first.root < size:
-            return Response(kind, (name,), error=f"broadcast {name!r}: root_rank "
-                            f"{first.root} is outside 0..{size - 1}")
+            return _error(first, name, f"broadcast {name!r}: root_rank {first.root} is not a "
+                          "rank of the operation's process set")
     if kind in (m.ALLGATHER, m.ALLTOALL):
         if any(len(s) == 0 for s in shapes.values()):
-            return Response(kind, (name,), error=f"{kind} {name!r} needs tensors of rank >= 1")
+            return _error(first, name, f"{kind} {name!r} needs tensors of rank >= 1")
         trailing = {r: s[1:] for r, s in shapes.items()}
         if len(set(trailing.values())) > 1:
-            return Response(kind, (name,), error=_disagreement(name, "shape after dim 0", trailing))
+            return _error(first, name, _disagreement(name, "shape after dim 0", trailing))
+    ranks = sorted(requests)
     if kind == m.ALLGATHER:
-        return Response(kind, (name,), first_dims=tuple(shapes[r][0] for r in range(size)))
+        return Response(kind, (name,), first_dims=tuple(shapes[r][0] for r in ranks),
+                        members=first.members)
     if kind == m.ALLTOALL:
-        return _alltoall_response(name, requests, size)
-    return Response(kind, (name,))
+        return _alltoall_response(name, [requests[r] for r in ranks], first.members)
+    return Response(kind, (name,), members=first.members)
 
 
-def _alltoall_response(name: str, requests: dict[int, Request], size: int) -> Response:
+def _alltoall_response(name: str, requests: list[Request], members) -> Response:
+    size = len(requests)
     matrix = []
-    for r in range(size):
-        q = requests[r]
+    for r, q in enumerate(requests):
         rows = q.shape[0]
         if q.splits is None:
             if rows % size:
-                return Response(m.ALLTOALL, (name,), error=(
+                return _error(q, name, (
                     f"alltoall {name!r}: rank {r} has {rows} rows, not divisible by {size} ranks; "
                     "pass splits"))
             splits = (rows // size,) * size
         else:
             splits = q.splits
         if len(splits) != size or sum(splits) != rows or min(splits) < 0:
-            return Response(m.ALLTOALL, (name,), error=(
+            return _error(q, name, (
                 f"alltoall {name!r}: rank {r}'s splits {list(splits)} must be {size} "
                 f"non-negative counts summing to its {rows} rows"))
         matrix.append(tuple(splits))
-    return Response(m.ALLTOALL, (name,), splits=tuple(matrix))
+    return Response(m.ALLTOALL, (name,), splits=tuple(matrix), members=members)
 
 
 class Coordinator:
@@ -108,20 +130,63 @@ class Coordinator:
         self._requests: dict[str, Request] = {}
         self.departed: dict[int, str] = {}
         self._warned: set[str] = set()
+        #: Ranks that called join(), in the order they did.
+        self.joined: list[int] = []
+
+    def _members(self, request: Request) -> tuple[int, ...] | range:
+        return request.members if request.members is not None else range(self.size)
 
     def add(self, rank: int, request: Request, now: float) -> None:
         """Record that ``rank`` asked for ``request``."""
         entry = self._table.setdefault(request.name, {})
         self._first_seen.setdefault(request.name, now)
         if rank in entry:
-            self._finish(request.name, Response(request.kind, (request.name,), error=(
+            self._finish(request.name, _error(request, request.name, (
                 f"rank {rank} submitted collective {request.name!r} twice before it completed")))
             return
         entry[rank] = request
-        if len(entry) == self.size:
-            self._finish(request.name, validate(request.name, entry, self.size))
-        elif self.departed:
+        if request.kind == m.JOIN:
+            self._on_join(rank)
+            return
+        self._check(request.name)
+        if request.name in self._table and self.departed:
             self._fail_departed(request.name)
+
+    def _check(self, name: str) -> None:
+        """Finish ``name`` when every member has asked for it (joined ranks excused)."""
+        entry = self._table[name]
+        first = entry[min(entry)]
+        members = self._members(first)
+        if first.kind == m.JOIN:
+            return
+        standing_in = [] if first.members is not None else [
+            r for r in self.joined if r not in entry]
+        if any(r not in entry and r not in standing_in for r in members):
+            return
+        if not standing_in:
+            self._finish(name, validate(name, entry, len(members)))
+            return
+        if first.kind != m.ALLREDUCE:
+            self._finish(name, _error(first, name, (
+                f"{first.kind} {name!r} cannot run: rank(s) {standing_in} already called join(); "
+                "while ranks have joined, only allreduce can run (they contribute zeros)")))
+            return
+        response = validate(name, entry, len(members))
+        if response.error is None:
+            response = Response(m.ALLREDUCE, (name,), joined=tuple(standing_in),
+                                templates=(first,))
+        self._finish(name, response)
+
+    def _on_join(self, rank: int) -> None:
+        if rank not in self.joined:
+            self.joined.append(rank)
+        if len(self.joined) == self.size:
+            last = self.joined[-1]
+            self.joined = []
+            self._finish(m.JOIN_NAME, Response(m.JOIN, (m.JOIN_NAME,), result=last))
+            return
+        for name in [n for n in self._table if n != m.JOIN_NAME]:
+            self._check(name)
 
     def depart(self, rank: int, reason: str) -> None:
         """Mark ``rank`` as gone: everything waiting for it fails with ``reason``."""
@@ -130,11 +195,13 @@ class Coordinator:
             self._fail_departed(name)
 
     def _fail_departed(self, name: str) -> None:
-        missing = [r for r in self.departed if r not in self._table[name]]
+        entry = self._table[name]
+        members = self._members(entry[min(entry)])
+        missing = [r for r in self.departed if r not in entry and r in members]
         if missing:
-            kind = next(iter(self._table[name].values())).kind
+            first = entry[min(entry)]
             reasons = "; ".join(f"rank {r} {self.departed[r]}" for r in missing)
-            self._finish(name, Response(kind, (name,), error=(
+            self._finish(name, Response(first.kind, (name,), members=first.members, error=(
                 f"collective {name!r} cannot complete: {reasons}")))
 
     def _finish(self, name: str, response: Response) -> None:
@@ -153,9 +220,9 @@ class Coordinator:
         """True when some operation is submitted by some ranks but not yet all.
 
         Then more tensors are likely to become ready within moments, and waiting a
-        cycle lets them join the same fused operation.
+        cycle lets them join the same fused operation. A pending join does not count.
         """
-        return bool(self._table)
+        return any(n != m.JOIN_NAME for n in self._table)
 
     def take_responses(self) -> list[Response]:
         """Return the ready responses, allreduces fused by dtype/op/scale up to the threshold."""
@@ -163,15 +230,18 @@ class Coordinator:
         open_groups: dict[tuple, tuple[int, int]] = {}  # key -> (index in out, bytes so far)
         for name, response in self._ready.items():
             request = self._requests.pop(name, None)
-            if response.kind != m.ALLREDUCE or response.error or request is None:
+            if (response.kind != m.ALLREDUCE or response.error or request is None
+                    or response.joined or request.op == ReduceOp.Adasum):
                 out.append(response)
                 continue
-            key = (request.dtype, request.op, request.prescale, request.postscale)
+            key = (request.dtype, request.op, request.prescale, request.postscale,
+                   request.members)
             nbytes = request.nbytes
             slot = open_groups.get(key)
             if slot is not None and slot[1] + nbytes <= self.fusion_threshold:
                 index, total = slot
-                out[index] = Response(m.ALLREDUCE, out[index].names + (name,))
+                out[index] = Response(m.ALLREDUCE, out[index].names + (name,),
+                                      members=request.members)
                 open_groups[key] = (index, total + nbytes)
             else:
                 open_groups[key] = (len(out), nbytes)
@@ -182,22 +252,29 @@ class Coordinator:
     def stalled(self, now: float, older_than: float) -> list[tuple[str, list[int]]]:
         """Operations waiting longer than ``older_than`` s, with the ranks not yet there.
 
-        Each is reported once.
+        Each is reported once. A pending join is not a stall: ranks join when their data ends.
         """
         out = []
         for name, since in self._first_seen.items():
+            if name == m.JOIN_NAME:
+                continue
             if now - since > older_than and name not in self._warned:
                 self._warned.add(name)
-                missing = [r for r in range(self.size) if r not in self._table[name]]
-                out.append((name, missing))
+                out.append((name, self._missing(name)))
         return out
+
+    def _missing(self, name: str) -> list[int]:
+        entry = self._table[name]
+        return [r for r in self._members(entry[min(entry)]) if r not in entry]
 
     def expire(self, now: float, timeout: float) -> None:
         """Fail operations some ranks have not joined within ``timeout`` s."""
         for name, since in list(self._first_seen.items()):
+            if name == m.JOIN_NAME:
+                continue
             if now - since > timeout:
-                missing = [r for r in range(self.size) if r not in self._table[name]]
-                kind = next(iter(self._table[name].values())).kind
-                self._finish(name, Response(kind, (name,), error=(
+                missing = self._missing(name)
+                first = next(iter(self._table[name].values()))
+                self._finish(name, Response(first.kind, (name,), members=first.members, error=(
                     f"collective {name!r}: ranks {missing} did not submit it within {timeout} s "
                     "(a rank is stuck, or ranks call collectives in different orders/names)")))

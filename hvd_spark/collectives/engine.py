@@ -16,18 +16,32 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
+
+from hvd_spark.collectives import messages as m
 from hvd_spark.collectives import operations
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.operations import Entry, Handle
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.config import EngineConfig
-from hvd_spark.errors import CollectiveError, HvdSparkError, PeerDisconnectedError
+from hvd_spark.errors import (
+    CollectiveArgumentError,
+    CollectiveError,
+    HorovodInternalError,
+    HvdSparkError,
+    PeerDisconnectedError,
+)
 
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0
 _BYE_WAIT_S = 10.0
+
+
+def _zeros_entry(template) -> Entry:
+    """A joined rank's stand-in for an allreduce it never submitted: zeros of that shape."""
+    return Entry(template, Handle(template.name), np.zeros(template.shape, template.dtype))
 
 
 class Engine:
@@ -65,6 +79,7 @@ class Engine:
         self._stopping = False
         self._bye_from: set[int] = set()
         self._first_ready: float | None = None
+        self._subcomms: dict[tuple[int, ...], Communicator] = {}
         #: Responses executed and tensors they covered; fused allreduces make these differ.
         self.executed_responses = 0
         self.executed_tensors = 0
@@ -88,7 +103,7 @@ class Engine:
                     f"collective {names[0]!r}: hvd_spark was shut down on this rank")
             clash = [n for n in names if n in self._names_in_flight]
             if clash or len(set(names)) != len(names):
-                raise CollectiveError(
+                raise CollectiveArgumentError(
                     f"a collective named {(clash or names)[0]!r} is already in flight on rank "
                     f"{self.rank}; names must be unique until the operation completes"
                 )
@@ -143,7 +158,8 @@ class Engine:
 
     def _error_for(self, name: str) -> CollectiveError:
         cause = self._failure
-        cls = PeerDisconnectedError if isinstance(cause, PeerDisconnectedError) else CollectiveError
+        cls = (PeerDisconnectedError if isinstance(cause, PeerDisconnectedError)
+               else HorovodInternalError)
         return cls(
             f"collective {name!r} cannot run: the collectives engine on rank {self.rank} stopped "
             f"after an earlier failure: {cause}"
@@ -245,20 +261,50 @@ class Engine:
             self._execute(response)
 
     def _execute(self, response) -> None:
+        members = response.members
+        if members is not None and self.rank not in members:
+            return  # another process set's operation
         with self._lock:
             entries = [self._pending.pop(n) for n in response.names if n in self._pending]
         if response.error:
             for entry in entries:
-                self._complete(entry, error=CollectiveError(response.error))
+                self._complete(entry, error=CollectiveArgumentError(response.error))
+            return
+        if response.kind == m.JOIN:
+            for entry in entries:
+                self._complete(entry, result=response.result)
             return
         if len(entries) != len(response.names):
-            missing = [n for n in response.names if n not in {e.request.name for e in entries}]
-            raise CollectiveError(f"rank {self.rank} was told to run {missing} it never submitted")
-        results = operations.execute(self.comm, response, entries)
+            if self.rank in response.joined and not entries:
+                entries = [_zeros_entry(t) for t in response.templates or ()]
+            else:
+                missing = [n for n in response.names
+                           if n not in {e.request.name for e in entries}]
+                raise CollectiveError(
+                    f"rank {self.rank} was told to run {missing} it never submitted")
+        try:
+            results = operations.execute(self._comm_for(members), response, entries)
+        except BaseException as exc:
+            # These entries left _pending already: complete them here with the real error,
+            # or their callers would wait for the timeout.
+            failure = exc if isinstance(exc, HvdSparkError) else CollectiveError(
+                f"collective {response.names[0]!r} failed on rank {self.rank}: {exc!r}")
+            for entry in entries:
+                self._complete(entry, error=failure)
+            raise
         self.executed_responses += 1
         self.executed_tensors += len(entries)
         for entry, result in zip(entries, results):
             self._complete(entry, result=result)
+
+    def _comm_for(self, members: tuple[int, ...] | None) -> Communicator:
+        """The communicator of a process set (made at its first operation, then kept)."""
+        if members is None:
+            return self.comm
+        comm = self._subcomms.get(members)
+        if comm is None:
+            comm = self._subcomms[members] = self.comm.subset(members)
+        return comm
 
     def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
         with self._lock:

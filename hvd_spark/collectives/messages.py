@@ -13,7 +13,11 @@ BROADCAST = "broadcast"
 ALLTOALL = "alltoall"
 REDUCESCATTER = "reducescatter"
 BARRIER = "barrier"
-KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER)
+JOIN = "join"
+KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN)
+
+#: The one name every rank's ``join()`` uses (only one join can be in flight).
+JOIN_NAME = "hvd_spark.join"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,10 @@ class Request:
         postscale: Factor applied after reducing.
         root: Root rank (broadcast only).
         splits: Rows sent to each rank (alltoall only).
+        members: Global ranks of the process set it runs in; None for all ranks.
+        error: Set when this rank could not submit the operation (its local checks
+            failed): the coordinator fails the operation on every rank with it, so the
+            ranks' automatic names stay aligned.
     """
 
     name: str
@@ -41,6 +49,8 @@ class Request:
     postscale: float = 1.0
     root: int = -1
     splits: tuple[int, ...] | None = None
+    members: tuple[int, ...] | None = None
+    error: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +68,10 @@ class Response:
         error: Set when the ranks disagreed; the named operations fail with it.
         first_dims: Allgather: every rank's first dimension.
         splits: Alltoall: ``splits[src][dst]`` rows sent from src to dst.
+        members: Global ranks of the process set that runs it; None for all ranks.
+        joined: Ranks that had called ``join()``: they run the allreduce on zeros.
+        templates: With ``joined``, the requests the joined ranks build their zeros from.
+        result: Join: the last rank to join.
     """
 
     kind: str
@@ -65,3 +79,7 @@ class Response:
     error: str | None = None
     first_dims: tuple[int, ...] | None = None
     splits: tuple[tuple[int, ...], ...] | None = None
+    members: tuple[int, ...] | None = None
+    joined: tuple[int, ...] = ()
+    templates: tuple[Request, ...] | None = None
+    result: int | None = None

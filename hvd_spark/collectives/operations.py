@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from hvd_spark.collectives import adasum, ops
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.messages import Request, Response
@@ -87,8 +87,22 @@ def _finish_reduction(arr: np.ndarray, request: Request, size: int) -> None:
     ops.scale_in_place(arr, request.postscale)
 
 
+def run_adasum(comm: Communicator, entry: Entry) -> Any:
+    """Adasum of one tensor: gather every rank's, combine them in the same tree everywhere."""
+    flat = entry.array.reshape(-1)
+    gathered = np.empty(flat.size * comm.size, flat.dtype)
+    gathered[comm.rank * flat.size : (comm.rank + 1) * flat.size] = flat
+    comm.allgather(SegmentedBuffer([gathered]), [flat.size] * comm.size)
+    parts = [gathered[r * flat.size : (r + 1) * flat.size] for r in range(comm.size)]
+    flat[...] = adasum.tree_reduce(parts).astype(flat.dtype)
+    ops.scale_in_place(entry.array, entry.request.postscale)
+    return entry.finish(entry.array)
+
+
 def run_allreduce(comm: Communicator, entries: list[Entry]) -> list[Any]:
     """One (possibly fused) allreduce over all entries' arrays, in place."""
+    if entries[0].request.op == ops.ReduceOp.Adasum:
+        return [run_adasum(comm, e) for e in entries]
     small = [e for e in entries if e.array.nbytes < _PACK_BELOW_BYTES]
     packed = None
     pieces = [e.array.reshape(-1) for e in entries if e.array.nbytes >= _PACK_BELOW_BYTES]

@@ -10,7 +10,7 @@ import enum
 import ml_dtypes
 import numpy as np
 
-from hvd_spark.errors import CollectiveError
+from hvd_spark.errors import CollectiveArgumentError
 
 
 class ReduceOp(enum.IntEnum):
@@ -18,6 +18,7 @@ class ReduceOp(enum.IntEnum):
 
     Average = 0
     Sum = 1
+    Adasum = 2
     Min = 3
     Max = 4
     Product = 5
@@ -25,6 +26,7 @@ class ReduceOp(enum.IntEnum):
 
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum
+Adasum = ReduceOp.Adasum
 Min = ReduceOp.Min
 Max = ReduceOp.Max
 Product = ReduceOp.Product
@@ -59,6 +61,8 @@ _UFUNCS = {
     ReduceOp.Product: np.multiply,
 }
 
+_HALF = (np.dtype(np.float16), BFLOAT16)
+
 
 def is_floating(dtype: np.dtype) -> bool:
     """True for float16/bfloat16/float32/float64."""
@@ -68,7 +72,7 @@ def is_floating(dtype: np.dtype) -> bool:
 def check_dtype(dtype: np.dtype, name: str) -> None:
     """Raise CollectiveError when ``dtype`` cannot travel through the collectives."""
     if np.dtype(dtype) not in SUPPORTED_DTYPES:
-        raise CollectiveError(
+        raise CollectiveArgumentError(
             f"tensor {name!r} has dtype {dtype}, which hvd_spark collectives do not support; "
             "use a float, int, uint or bool dtype"
         )
@@ -78,14 +82,15 @@ def check_reduction(dtype: np.dtype, op: ReduceOp, prescale: float, postscale: f
     """Raise CollectiveError for reductions that make no sense for ``dtype``."""
     check_dtype(dtype, name)
     if dtype == np.bool_ and op == ReduceOp.Average:
-        raise CollectiveError(
+        raise CollectiveArgumentError(
             f"tensor {name!r} is bool: Average is undefined; use Sum (or), Min/Product (and), Max"
         )
-    if not is_floating(dtype) and (prescale != 1.0 or postscale != 1.0):
-        raise CollectiveError(
-            f"tensor {name!r} has integer dtype {dtype}: prescale_factor/postscale_factor "
-            "only apply to floating-point tensors"
-        )
+    if dtype == np.bool_ and (prescale != 1.0 or postscale != 1.0):
+        raise CollectiveArgumentError(
+            f"tensor {name!r} is bool: prescale_factor/postscale_factor do not apply to it")
+    if op == ReduceOp.Adasum and not is_floating(dtype):
+        raise CollectiveArgumentError(
+            f"tensor {name!r} has dtype {dtype}: Adasum combines floating-point tensors only")
 
 
 def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
@@ -94,14 +99,21 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
 
 
 def scale_in_place(arr: np.ndarray, factor: float) -> None:
-    """Multiply a float array by ``factor`` in place (no-op for 1.0)."""
-    if factor != 1.0:
+    """Multiply ``arr`` by ``factor`` in place (no-op for 1.0), as Horovod computes it.
+
+    float32/float64 scale in their own precision; float16/bfloat16 in float32; integers
+    in float64, then truncated toward zero.
+    """
+    if factor == 1.0:
+        return
+    if arr.dtype in _HALF:
+        arr[...] = (arr.astype(np.float32) * np.float32(factor)).astype(arr.dtype)
+    elif is_floating(arr.dtype):
         np.multiply(arr, factor, out=arr, casting="unsafe")
+    else:
+        arr[...] = (arr.astype(np.float64) * factor).astype(arr.dtype)
 
 
 def finish_average(arr: np.ndarray, size: int) -> None:
-    """Turn a sum over ``size`` ranks into the average (floor division for integers)."""
-    if is_floating(arr.dtype):
-        np.multiply(arr, 1.0 / size, out=arr, casting="unsafe")
-    else:
-        np.floor_divide(arr, size, out=arr)
+    """Turn a sum over ``size`` ranks into the average (integers truncate toward zero)."""
+    scale_in_place(arr, 1.0 / size)

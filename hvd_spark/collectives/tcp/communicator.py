@@ -56,6 +56,20 @@ class TcpCommunicator(Communicator):
         self.left = self.links.get(self.left_rank)
         self.right = self.links.get(self.right_rank)
 
+    def subset(self, members: Sequence[int]) -> TcpCommunicator:
+        """A ring among ``members`` over this communicator's links (no new connections)."""
+        sub = TcpCommunicator.__new__(TcpCommunicator)
+        sub.rank, sub.size = list(members).index(self.rank), len(members)
+        sub.chunk_bytes = self.chunk_bytes
+        sub.links = {i: self.links[g] for i, g in enumerate(members) if g != self.rank}
+        sub.left_rank = (sub.rank - 1) % sub.size
+        sub.right_rank = (sub.rank + 1) % sub.size
+        sub.shm_peers = [i for i, g in enumerate(members) if g in self.shm_peers]
+        sub.left = sub.links.get(sub.left_rank)
+        sub.right = sub.links.get(sub.right_rank)
+        sub._owns_links = False
+        return sub
+
     def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp) -> None:
         ring.allreduce(buf, op, self.rank, self.size, self.left, self.right, self.chunk_bytes)
 
@@ -88,6 +102,8 @@ class TcpCommunicator(Communicator):
         )
 
     def close(self) -> None:
+        if not getattr(self, "_owns_links", True):
+            return  # a process set's view: the world communicator closes the links
         for link in self.links.values():
             try:
                 link.close()
