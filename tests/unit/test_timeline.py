@@ -1,0 +1,280 @@
+"""The Chrome-trace timeline: known call sequences give the expected, well-formed events."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hvd_spark.collectives import timeline as tl
+from hvd_spark.errors import ConfigError
+
+
+def _load(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _rows(events: list[dict]) -> dict[str, int]:
+    """Row name -> pid, from the process_name metadata (pid 0 is the header row)."""
+    return {e["args"]["name"]: e["pid"] for e in events
+            if e["ph"] == "M" and e["name"] == "process_name" and e["pid"] != 0}
+
+
+def _phases(events: list[dict], pid: int) -> list[tuple[str, str | None]]:
+    return [(e["ph"], e.get("name")) for e in events if e["pid"] == pid and e["ph"] != "M"]
+
+
+def _assert_well_formed(events: list[dict]) -> None:
+    """Begin/end events pair up (nesting) per row and time never goes back."""
+    stacks: dict[int, list[str]] = {}
+    last_ts: dict[int, int] = {}
+    for e in events:
+        if e["ph"] == "M":
+            continue
+        assert isinstance(e["ts"], int) and e["ts"] >= last_ts.get(e["pid"], 0), e
+        last_ts[e["pid"]] = e["ts"]
+        if e["ph"] == "B":
+            stacks.setdefault(e["pid"], []).append(e["name"])
+        elif e["ph"] == "E":
+            assert stacks.get(e["pid"]), f"end without begin on row {e['pid']}"
+            stacks[e["pid"]].pop()
+    assert all(not s for s in stacks.values()), f"unclosed phases: {stacks}"
+
+
+def test_known_sequence_gives_horovods_rows_and_phases(tmp_path):
+    path = tmp_path / "timeline.json"
+    with tl.Timeline(str(path), mark_cycles=True) as t:
+        t.mark_cycle()
+        t.negotiate_start("grad.a", "allreduce")
+        t.negotiate_rank_ready("grad.a", 0)
+        t.negotiate_start("grad.b", "allreduce")
+        t.negotiate_rank_ready("grad.a", 1)
+        t.negotiate_end("grad.a")
+        t.negotiate_end("grad.b")
+        t.mark_cycle()
+        t.start_all(["grad.a", "grad.b"], "allreduce", {"bytes": 24})
+        t.activity_start_all(["grad.a", "grad.b"], tl.QUEUE)
+        t.activity_start_all(["grad.a", "grad.b"], tl.MEMCPY_IN_FUSION_BUFFER)
+        t.activity_start_all(["grad.a", "grad.b"], tl.RING_ALLREDUCE)
+        t.activity_start_all(["grad.a", "grad.b"], tl.MEMCPY_OUT_FUSION_BUFFER)
+        t.end("grad.a", {"dtype": "float32", "shape": [3]})
+        t.end("grad.b")
+        t.negotiate_start("obj", "broadcast")
+        t.negotiate_end("obj")
+        t.start("obj", "broadcast")
+        t.end("obj")
+    events = _load(path)
+    _assert_well_formed(events)
+
+    header = [e for e in events if e["pid"] == 0 and e["ph"] == "M"]
+    assert "start_time_since_epoch_in_micros" in header[0]["args"]
+    assert abs(header[0]["args"]["start_time_since_epoch_in_micros"] / 1e6 - time.time()) < 60
+    rows = _rows(events)
+    assert rows == {"grad.a": 1, "grad.b": 2, "obj": 3}
+    sort = {e["pid"]: e["args"]["sort_index"] for e in events
+            if e.get("name") == "process_sort_index"}
+    assert sort == {0: 0, 1: 1, 2: 2, 3: 3}
+
+    op = [("B", "ALLREDUCE"),
+          ("B", "QUEUE"), ("E", None), ("B", "MEMCPY_IN_FUSION_BUFFER"), ("E", None),
+          ("B", "RING_ALLREDUCE"), ("E", None), ("B", "MEMCPY_OUT_FUSION_BUFFER"), ("E", None),
+          ("E", None)]
+    assert _phases(events, 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("X", "0"), ("X", "1"),
+                                  ("E", None), *op]
+    assert _phases(events, 2) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None), *op]
+    assert _phases(events, 3) == [("B", "NEGOTIATE_BROADCAST"), ("E", None),
+                                  ("B", "BROADCAST"), ("E", None)]
+
+    ends = [e for e in events if e["pid"] == 1 and e["ph"] == "E"]
+    assert ends[-1]["args"] == {"dtype": "float32", "shape": [3]}
+    starts = [e for e in events if e["pid"] == 1 and e.get("name") == "ALLREDUCE"]
+    assert starts[0]["args"] == {"bytes": 24}
+    cycles = [e for e in events if e["ph"] == "i"]
+    assert [c["name"] for c in cycles] == ["CYCLE_START", "CYCLE_START"]
+    assert all(c["s"] == "g" for c in cycles)
+
+
+def test_names_with_quotes_and_unicode_are_escaped(tmp_path):
+    path = tmp_path / "t.json"
+    name = 'layer"1\\w\u00e9\n'
+    with tl.Timeline(str(path)) as t:
+        t.negotiate_start(name, "allgather")
+        t.negotiate_end(name)
+    events = _load(path)
+    assert _rows(events) == {name: 1}
+    assert _phases(events, 1) == [("B", "NEGOTIATE_ALLGATHER"), ("E", None)]
+
+
+def test_cycles_not_marked_unless_asked(tmp_path):
+    path = tmp_path / "t.json"
+    with tl.Timeline(str(path), mark_cycles=False) as t:
+        t.mark_cycle()
+        t.negotiate_start("x", "allreduce")
+    events = _load(path)
+    assert not [e for e in events if e["ph"] == "i"]
+    assert _phases(events, 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]  # ended at close
+
+
+def test_out_of_order_reports_still_pair(tmp_path):
+    path = tmp_path / "t.json"
+    with tl.Timeline(str(path)) as t:
+        t.activity_start("a", tl.QUEUE)        # no operation open: nothing
+        t.activity_end("a")
+        t.end("a")
+        t.negotiate_end("a")
+        t.negotiate_start("a", "allreduce")
+        t.negotiate_start("a", "allreduce")    # already negotiating: nothing
+        t.start("a", "allreduce")              # ends the negotiation first
+        t.activity_start("a", tl.QUEUE)
+        t.negotiate_start("a", "allreduce")    # name reused while in flight: ends the op
+        t.negotiate_end("a")
+        t.start("b", "allgather")
+        t.activity_start("b", tl.QUEUE)
+        t.activity_end("b")
+        t.activity_end("b")                    # no activity open: nothing
+    events = _load(path)
+    _assert_well_formed(events)
+    rows = _rows(events)
+    assert _phases(events, rows["a"]) == [
+        ("B", "NEGOTIATE_ALLREDUCE"), ("E", None), ("B", "ALLREDUCE"), ("B", "QUEUE"),
+        ("E", None), ("E", None), ("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]
+    # "b" was still open at close(): ended there.
+    assert _phases(events, rows["b"]) == [("B", "ALLGATHER"), ("B", "QUEUE"), ("E", None),
+                                          ("E", None)]
+
+
+def test_file_is_valid_json_while_recording(tmp_path):
+    path = tmp_path / "t.json"
+    t = tl.Timeline(str(path), flush_interval_s=0.01)
+    try:
+        t.negotiate_start("a", "allreduce")
+        t.negotiate_end("a")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and path.stat().st_size == 0:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert _phases(_load(path), 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]
+        t.start("a", "allreduce")
+        t.end("a")
+        time.sleep(0.1)
+        assert len(_phases(_load(path), 1)) == 4
+    finally:
+        t.close()
+    assert len(_phases(_load(path), 1)) == 4
+    assert t.closed
+    t.start("a", "allreduce")  # after close: ignored, no error
+    t.close()
+
+
+def test_empty_timeline_is_valid_json(tmp_path):
+    path = tmp_path / "t.json"
+    tl.Timeline(str(path)).close()
+    events = _load(path)
+    assert [e["name"] for e in events] == ["process_name", "process_sort_index"]
+
+
+def test_threads_recording_at_once(tmp_path):
+    path = tmp_path / "t.json"
+    threads_n, ops = 8, 500
+
+    def work(t, k):
+        for i in range(ops):
+            name = f"t{k}.{i % 10}"
+            t.negotiate_start(name, "allreduce")
+            t.negotiate_end(name)
+            t.start(name, "allreduce")
+            t.activity_start(name, tl.QUEUE)
+            t.activity_start(name, tl.RING_ALLREDUCE)
+            t.end(name)
+            t.mark_cycle()
+
+    with tl.Timeline(str(path), mark_cycles=True, flush_interval_s=0.005) as t:
+        threads = [threading.Thread(target=work, args=(t, k)) for k in range(threads_n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+    events = _load(path)
+    _assert_well_formed(events)
+    assert len(_rows(events)) == threads_n * 10
+    assert sum(e["ph"] == "B" for e in events) == threads_n * ops * 4
+    assert sum(e["ph"] == "i" for e in events) == threads_n * ops
+
+
+def test_module_start_and_stop(tmp_path):
+    first, second = tmp_path / "1.json", tmp_path / "2.json"
+    assert tl.current() is None
+    t1 = tl.start_timeline(str(first), mark_cycles=True)
+    assert tl.current() is t1
+    t1.negotiate_start("a", "allreduce")
+    assert tl.start_timeline(str(first), mark_cycles=False) is t1  # same file: just the flag
+    assert t1.mark_cycles is False
+    t2 = tl.start_timeline(str(second))
+    assert t1.closed and tl.current() is t2
+    t2.start("b", "broadcast")
+    tl.stop_timeline()
+    assert tl.current() is None and t2.closed
+    tl.stop_timeline()  # stopping twice is fine
+    assert _rows(_load(first)) == {"a": 1}
+    assert _phases(_load(second), 1) == [("B", "BROADCAST"), ("E", None)]
+
+
+@pytest.mark.parametrize("bad", ["", None])
+def test_empty_path_is_a_config_error(bad):
+    with pytest.raises(ConfigError, match="file_path"):
+        tl.Timeline(bad)
+
+
+def test_unwritable_path_names_it(tmp_path):
+    missing = tmp_path / "no" / "such" / "dir" / "t.json"
+    with pytest.raises(ConfigError, match="no/such/dir"):
+        tl.start_timeline(str(missing))
+    assert tl.current() is None
+
+
+def test_events_written_at_process_exit_without_close(tmp_path):
+    path = tmp_path / "t.json"
+    code = (
+        "from hvd_spark.collectives import timeline as tl\n"
+        f"t = tl.start_timeline({str(path)!r}, mark_cycles=True)\n"
+        "for i in range(1000):\n"
+        "    t.negotiate_start(f'g{i}', 'allreduce'); t.negotiate_end(f'g{i}')\n"
+        "    t.start(f'g{i}', 'allreduce'); t.mark_cycle()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    events = _load(path)
+    _assert_well_formed(events)
+    assert len(_rows(events)) == 1000
+    assert sum(e["ph"] == "E" for e in events) == 2000  # the open ops ended at exit
+
+
+def test_recording_cost_per_call(tmp_path):
+    """Each call costs a few microseconds on the caller's thread (figures in the output)."""
+    names = [f"layer{i}.weight" for i in range(50)]
+    steps = 200
+    with tl.Timeline(str(tmp_path / "t.json"), mark_cycles=True) as t:
+        begin = time.perf_counter()
+        for _ in range(steps):
+            t.mark_cycle()
+            for name in names:
+                t.negotiate_start(name, "allreduce")
+            for name in names:
+                t.negotiate_end(name)
+            t.start_all(names, "allreduce")
+            t.activity_start_all(names, tl.QUEUE)
+            t.activity_start_all(names, tl.MEMCPY_IN_FUSION_BUFFER)
+            t.activity_start_all(names, tl.RING_ALLREDUCE)
+            t.activity_start_all(names, tl.MEMCPY_OUT_FUSION_BUFFER)
+            t.end_all(names)
+        recorded = time.perf_counter() - begin
+    per_tensor_us = recorded / (steps * len(names)) * 1e6
+    print(f"timeline: {per_tensor_us:.2f} us per tensor per step on the caller's thread "
+          f"(12 events each, fused calls)")
+    assert per_tensor_us < 50  # generous: a shared 2-core machine
