@@ -63,6 +63,28 @@ TORCH_WORLD_SIZE = "WORLD_SIZE"
 TORCH_LOCAL_RANK = "LOCAL_RANK"
 TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 
+
+
+def rank_variables(rank: int, size: int, local_rank: int, local_size: int, cross_rank: int,
+                   cross_size: int, hostname: str) -> dict[str, str]:
+    """A rank's place in the job under every name a launcher exports.
+
+    Ours (``HVD_SPARK_*``, read by ``init()``), Horovod's worker environment
+    (``HOROVOD_RANK``, ...) and torch's (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``), so tools that read those see the same values.
+    """
+    values = {
+        (RANK, HOROVOD_RANK, TORCH_RANK): rank,
+        (SIZE, HOROVOD_SIZE, TORCH_WORLD_SIZE): size,
+        (LOCAL_RANK, HOROVOD_LOCAL_RANK, TORCH_LOCAL_RANK): local_rank,
+        (LOCAL_SIZE, HOROVOD_LOCAL_SIZE, TORCH_LOCAL_WORLD_SIZE): local_size,
+        (CROSS_RANK, HOROVOD_CROSS_RANK): cross_rank,
+        (CROSS_SIZE, HOROVOD_CROSS_SIZE): cross_size,
+        (HOSTNAME, HOROVOD_HOSTNAME): hostname,
+    }
+    return {name: str(value) for names, value in values.items() for name in names}
+
+
 # Horovod's names for our knobs, read (first one set wins) where ours is unset.
 HOROVOD_FALLBACKS: dict[str, tuple[str, ...]] = {
     TIMEOUT: ("HOROVOD_GLOO_TIMEOUT_SECONDS",),

@@ -13,6 +13,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -56,14 +57,9 @@ def _die_with_parent() -> None:
 
 
 def rank_env(rank: int, size: int, store_port: int, secret: bytes) -> dict[str, str]:
-    """The HVD_SPARK_* variables of one local rank."""
+    """The variables of one local rank: ours, and Horovod's and torch's names for them."""
     return {
-        _env.RANK: str(rank),
-        _env.SIZE: str(size),
-        _env.LOCAL_RANK: str(rank),
-        _env.LOCAL_SIZE: str(size),
-        _env.CROSS_RANK: "0",
-        _env.CROSS_SIZE: "1",
+        **_env.rank_variables(rank, size, rank, size, 0, 1, socket.gethostname()),
         _env.RENDEZVOUS_ADDR: f"127.0.0.1:{store_port}",
         _env.SECRET: secret.hex(),
         "PYTHONUNBUFFERED": "1",

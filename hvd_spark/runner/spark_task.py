@@ -63,20 +63,16 @@ class TaskSpec:
 def child_env(
     base: dict[str, str], spec: TaskSpec, info: RankInfo, gpus: list[str] | None
 ) -> dict[str, str]:
-    """The environment of a rank's process: executor's + user's + the rank's variables."""
+    """The environment of a rank's process: executor's + user's + the rank's variables
+    (ours, and Horovod's and torch's names for them)."""
     env = {**base, **spec.env}
     env.setdefault(_env.START_TIMEOUT, str(spec.start_timeout))
+    env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
+                                   info.cross_rank, info.cross_size, info.host))
     env.update({
-        _env.RANK: str(info.rank),
-        _env.SIZE: str(info.size),
-        _env.LOCAL_RANK: str(info.local_rank),
-        _env.LOCAL_SIZE: str(info.local_size),
-        _env.CROSS_RANK: str(info.cross_rank),
-        _env.CROSS_SIZE: str(info.cross_size),
         _env.RENDEZVOUS_ADDR: spec.driver_addr,
         _env.SECRET: spec.secret.hex(),
         _env.RUN_ID: spec.run_id,
-        _env.HOSTNAME: info.host,
         "PYTHONUNBUFFERED": "1",
     })
     if gpus is not None:

@@ -65,8 +65,19 @@ def _leave_collectives() -> None:
         api.shutdown()
 
 
+def _close_timelines() -> None:
+    """os._exit skips atexit: end the timeline files here, so they hold every event."""
+    if "hvd_spark.collectives.timeline" in sys.modules:
+        from hvd_spark.collectives import timeline
+
+        timeline.close_all()
+
+
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    finally:
+        _close_timelines()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
