@@ -96,7 +96,7 @@ class Timeline:
         self._closed = False
         self._interval = flush_interval_s
         self._wake = threading.Event()
-        self._rows: dict[str, int] = {}
+        self._rows: dict[str, str] = {}
         self._names: dict[str, str] = {}
         self._started_file = False
         self._write_error: OSError | None = None
@@ -301,40 +301,45 @@ class Timeline:
             '{"name":"process_sort_index","ph":"M","pid":0,"args":{"sort_index":0}}',
         ]
 
-    def _row(self, name: str, lines: list[str]) -> int:
-        row = self._rows.get(name)
-        if row is None:
-            row = self._rows[name] = len(self._rows) + 1
+    def _row(self, name: str, lines: list[str]) -> str:
+        """The ``"pid":N,"tid":0`` part of ``name``'s events; announces a new row."""
+        tail = self._rows.get(name)
+        if tail is None:
+            row = len(self._rows) + 1
+            tail = self._rows[name] = f'"pid":{row},"tid":0'
             lines.append(f'{{"name":"process_name","ph":"M","pid":{row},'
                          f'"args":{{"name":{json.dumps(name)}}}}}')
             lines.append(f'{{"name":"process_sort_index","ph":"M","pid":{row},'
                          f'"args":{{"sort_index":{row}}}}}')
-        return row
+        return tail
 
-    def _quoted(self, event_name: str) -> str:
-        quoted = self._names.get(event_name)
-        if quoted is None:
-            quoted = self._names[event_name] = json.dumps(event_name)
-        return quoted
+    def _head(self, kind: str, event_name: str) -> str:
+        """The ``{"ph":..,"name":..,"ts":`` start of an event, built once per name."""
+        key = kind + event_name
+        head = self._names.get(key)
+        if head is None:
+            head = self._names[key] = f'{{"ph":"{kind}","name":{json.dumps(event_name)},"ts":'
+        return head
 
     def _format(self, events: list[tuple]) -> list[str]:
         lines: list[str] = []
+        append = lines.append
         t0 = self._t0_ns
+        rows = self._rows
         for kind, raw_ts, row_name, event_name, args in events:
             ts = (raw_ts - t0) // 1000  # microseconds since the timeline started
             if kind == _MARK:
-                lines.append(f'{{"ph":"i","name":"{event_name}","ts":{ts},"pid":0,"s":"g"}}')
+                append(f'{{"ph":"i","name":"{event_name}","ts":{ts},"pid":0,"s":"g"}}')
                 continue
-            pid = self._row(row_name, lines)
-            extra = f',"args":{json.dumps(args, default=str)}' if args else ""
+            tail = rows.get(row_name) or self._row(row_name, lines)
+            if args:
+                tail = f'{tail},"args":{json.dumps(args, default=str)}'
             if kind == _END:
-                lines.append(f'{{"ph":"E","ts":{ts},"pid":{pid},"tid":0{extra}}}')
+                append(f'{{"ph":"E","ts":{ts},{tail}}}')
             elif kind == _BEGIN:
-                lines.append(f'{{"ph":"B","name":{self._quoted(event_name)},"ts":{ts},'
-                             f'"pid":{pid},"tid":0{extra}}}')
+                append(f'{self._head(kind, event_name)}{ts},{tail}}}')
             else:
-                lines.append(f'{{"ph":"X","name":{self._quoted(event_name)},"ts":{ts},'
-                             f'"dur":0,"pid":{pid},"tid":0}}')
+                append(f'{self._head(kind, event_name)}{ts},"dur":0,{tail}}}')
         return lines
 
     def _write(self, lines: list[str]) -> None:
