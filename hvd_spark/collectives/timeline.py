@@ -52,10 +52,8 @@ _CLOSE_TIMEOUT_S = 10.0
 # Per-tensor states (Horovod's): between phases / negotiating / in an op / in an activity.
 _IDLE, _NEGOTIATING, _TOP, _ACTIVITY = 0, 1, 2, 3
 
-# Event tuples: (kind, ts_us, row_name, event_name, args). Kinds:
+# Event tuples: (kind, perf_counter_ns, row_name, event_name, args). Kinds:
 _BEGIN, _END, _INSTANT, _MARK = "B", "E", "X", "i"
-
-
 _negotiate_names: dict[str, str] = {}
 
 
