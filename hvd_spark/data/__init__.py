@@ -1,7 +1,8 @@
 """Data layer: Stores, DataFrame -> Parquet (driver) and sharded batch reading (workers).
 
 ``prepare_data`` (the only pyspark user) is imported lazily so that workers importing
-``hvd_spark.data`` for the reader never load pyspark.
+``hvd_spark.data`` for the reader never load pyspark. Horovod's context-manager
+``prepare_data`` (``horovod.spark.common.util``) is ``hvd_spark.data.dataset_index``'s.
 """
 
 from __future__ import annotations
@@ -10,11 +11,19 @@ from typing import Any
 
 from hvd_spark.data.reader import ShardReader
 from hvd_spark.data.spec import ColumnSpec, DatasetSpec, SplitSpec
-from hvd_spark.data.store import DBFSLocalStore, HDFSStore, LocalStore, Store
+from hvd_spark.data.store import (
+    AbstractFilesystemStore,
+    DBFSLocalStore,
+    FilesystemStore,
+    HDFSStore,
+    LocalStore,
+    Store,
+)
 
 __all__ = [
-    "ColumnSpec", "DatasetSpec", "DBFSLocalStore", "HDFSStore", "LocalStore", "ShardReader",
-    "SplitSpec", "Store", "as_tf_dataset", "as_torch", "prepare_data",
+    "AbstractFilesystemStore", "ColumnSpec", "DatasetSpec", "DBFSLocalStore", "FilesystemStore",
+    "HDFSStore", "LocalStore", "ShardReader", "SplitSpec", "Store", "as_tf_dataset", "as_torch",
+    "prepare_data",
 ]
 
 

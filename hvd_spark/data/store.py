@@ -1,47 +1,54 @@
 """Stores: where datasets, checkpoints and logs of training runs live.
 
-A ``Store`` wraps one ``pyarrow.fs`` filesystem picked from a URL (local paths and
-``file://``, ``hdfs://``, ``s3://``, ``gs://``, ... whatever pyarrow supports) and
-gives every run the same layout under its prefix::
+A ``Store`` wraps one ``pyarrow.fs`` filesystem picked from its prefix URL (local paths
+and ``file://``, ``dbfs:/``, ``hdfs://``, ``s3://``/``s3a://``, ``gs://``, ... see
+``hvd_spark.data.filesystems``) and gives every run the same layout under the prefix::
 
     <prefix>/intermediate_train_data/<dataset key>/{train,val}/part-*.parquet, spec.json
+    <prefix>/intermediate_train_data.<idx>, intermediate_val_data.<idx>  (prepare_data's index)
     <prefix>/runs/<run_id>/checkpoints/epoch-000003.ckpt
     <prefix>/runs/<run_id>/logs/
 
-Paths taken and returned by the methods are relative to the prefix. Stores travel to
-Spark tasks and workers by pickle: only the URL is kept, the filesystem is re-created
-lazily in the process that uses it (credentials come from that process' environment,
-as pyarrow reads them, e.g. ``AWS_ACCESS_KEY_ID``).
+The constructors and the ``get_*`` methods have Horovod's signatures and meaning (they
+return full URLs, ``file:///...`` for local stores); ``train_path`` and ``runs_path`` move
+the dataset cache and the runs. Every method that takes a path accepts a full path or URL
+on the store's filesystem, or a path relative to the prefix.
+
+Stores travel to Spark tasks and workers by pickle: the URL and options are kept, the
+filesystem is re-created lazily in the process that uses it (credentials not given in
+``storage_options`` come from that process' environment, as pyarrow reads them).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import posixpath
 import re
-import uuid
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pyarrow import fs as pafs
 
+from hvd_spark.data import filesystems
+from hvd_spark.data.filesystems import filesystem_from_url
+from hvd_spark.data.store_files import StoreFiles
 from hvd_spark.errors import ConfigError
 
+__all__ = ["AbstractFilesystemStore", "DBFSLocalStore", "FilesystemStore", "HDFSStore",
+           "LocalStore", "Store", "filesystem_from_url", "join_url"]
+
+log = logging.getLogger(__name__)
+
 INTERMEDIATE_DIR = "intermediate_train_data"
+VAL_DIR = "intermediate_val_data"
+TEST_DIR = "intermediate_test_data"
 RUNS_DIR = "runs"
+LOGS_SUBDIR = "logs"
 SPEC_FILE = "spec.json"
-_CHECKPOINT_RE = re.compile(r"^epoch-(\d+)\.ckpt$")
-_TEMP_MARK = ".tmp-"
-# Filesystems where a rename is cheap and atomic; object stores publish a PUT atomically.
-_RENAME_ATOMIC = {"local", "hdfs"}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._=-][A-Za-z0-9._=+-]*$")
-
-
-def _is_local(prefix: str) -> bool:
-    scheme = urlsplit(prefix).scheme
-    # A one-letter scheme is a Windows drive letter, not a URL scheme.
-    return scheme in ("", "file") or len(scheme) == 1
+_PATH_KINDS = ("train", "val", "test", "runs")
 
 
 def join_url(url: str, *parts: str) -> str:
@@ -55,70 +62,100 @@ def join_url(url: str, *parts: str) -> str:
         The joined path or URL.
     """
     parts = tuple(p.strip("/") for p in parts if p)
-    if _is_local(url) and urlsplit(url).scheme != "file":
+    if url.startswith("dbfs:"):
+        url = filesystems.local_path(url)
+    if filesystems.is_local(url) and not url.startswith("file:"):
         return os.path.join(url, *parts)
     split = urlsplit(url)
-    return urlunsplit(split._replace(path=posixpath.join(split.path or "/", *parts)))
+    return filesystems.unsplit(split._replace(path=posixpath.join(split.path or "/", *parts)))
 
 
-def filesystem_from_url(url: str) -> tuple[pafs.FileSystem, str]:
-    """Return ``(filesystem, path)`` for a local path or URL, with a clear error if unsupported."""
-    try:
-        return pafs.FileSystem.from_uri(url)
-    except (ValueError, OSError) as exc:  # pyarrow raises ArrowInvalid/ArrowIOError (subclasses)
-        raise ConfigError(
-            f"cannot open a filesystem for {url!r}: {exc}. Use a local path or a URL pyarrow "
-            "supports (file://, hdfs://, s3://, gs://, abfs://) and check the credentials"
-        ) from exc
-
-
-class Store:
+class Store(StoreFiles):
     """A training-data and checkpoint store on any pyarrow filesystem.
 
     Args:
-        prefix: Local path or URL under which everything is kept.
+        prefix_path: Local path or URL under which everything is kept.
+        train_path: Where the training data goes (default ``<prefix>/intermediate_train_data``).
+        val_path: Base of ``get_val_data_path`` (default ``<prefix>/intermediate_val_data``).
+        test_path: Base of ``get_test_data_path`` (default ``<prefix>/intermediate_test_data``).
+        runs_path: Where runs (checkpoints, logs) go (default ``<prefix>/runs``).
+        save_runs: Keep checkpoints and logs; False: ``save_checkpoint`` writes nothing.
+        storage_options: Filesystem options: pyarrow's keywords (``S3FileSystem``,
+            ``HadoopFileSystem``, ...) or s3fs's (``key``, ``secret``, ``client_kwargs``).
+        checkpoint_filename: What ``get_checkpoint_filename`` returns (default ``checkpoint``).
+        **kwargs: Other Horovod keywords; accepted and ignored with one log line.
     """
 
-    def __init__(self, prefix: str) -> None:
-        if not isinstance(prefix, str) or not prefix:
-            raise ConfigError(f"store prefix must be a non-empty path or URL, got {prefix!r}")
-        if _is_local(prefix):
-            path = urlsplit(prefix).path if prefix.startswith("file:") else prefix
-            prefix = os.path.abspath(os.path.expanduser(path))
-        self._url = prefix.rstrip("/") if len(prefix) > 1 else prefix
+    def __init__(self, prefix_path: str, train_path: str | None = None,
+                 val_path: str | None = None, test_path: str | None = None,
+                 runs_path: str | None = None, save_runs: bool = True,
+                 storage_options: dict[str, Any] | None = None,
+                 checkpoint_filename: str | None = None, **kwargs: Any) -> None:
+        if not isinstance(prefix_path, str) or not prefix_path:
+            raise ConfigError(f"store prefix must be a non-empty path or URL, got {prefix_path!r}")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict, got {storage_options!r}")
+        if kwargs:
+            log.info("%s ignores %s (Horovod keywords with no meaning here)",
+                     type(self).__name__, sorted(kwargs))
+        if filesystems.is_local(prefix_path):
+            prefix_path = filesystems.local_path(prefix_path)
+        self._url = prefix_path.rstrip("/") if len(prefix_path) > 1 else prefix_path
+        self._options = dict(storage_options or {})
+        self._save_runs = bool(save_runs)
+        self._checkpoint_filename = checkpoint_filename or "checkpoint"
+        given = dict(zip(_PATH_KINDS, (train_path, val_path, test_path, runs_path)))
+        self._custom = {k: self._full(v) for k, v in given.items() if v is not None}
         self._fs: pafs.FileSystem | None = None
         self._base = ""
+        self._register()
 
     @classmethod
-    def create(cls, prefix: str) -> Store:
-        """Return the store for ``prefix``, choosing the class from its scheme."""
-        if isinstance(prefix, Store):
-            return prefix
-        if isinstance(prefix, str) and prefix.startswith("dbfs:"):
-            return DBFSLocalStore(prefix)
-        if isinstance(prefix, str) and prefix.startswith("hdfs:"):
-            return HDFSStore(prefix)
-        if isinstance(prefix, str) and _is_local(prefix):
-            return LocalStore(prefix)
-        return Store(prefix)
+    def create(cls, prefix_path: str | Store, *args: Any, **kwargs: Any) -> Store:
+        """Return the store for ``prefix_path``, choosing the class from its scheme.
+
+        ``hdfs://`` -> ``HDFSStore``; ``dbfs:/``, ``/dbfs/`` -> ``DBFSLocalStore``; other
+        local paths -> ``LocalStore``; other URLs (``s3://``, ``s3a://``, ``gs://``, ...)
+        -> ``FilesystemStore``. ``args`` and ``kwargs`` go to that class. A Store is
+        returned as it is.
+        """
+        if isinstance(prefix_path, Store):
+            return prefix_path
+        if not isinstance(prefix_path, str) or not prefix_path:
+            raise ConfigError(f"store prefix must be a non-empty path or URL, got {prefix_path!r}")
+        if HDFSStore.matches(prefix_path):
+            return HDFSStore(prefix_path, *args, **kwargs)
+        if DBFSLocalStore.matches_dbfs(prefix_path):
+            return DBFSLocalStore(prefix_path, *args, **kwargs)
+        if filesystems.is_local(prefix_path):
+            return LocalStore(prefix_path, *args, **kwargs)
+        return FilesystemStore(prefix_path, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._url!r})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.url == self.url
+        return (type(other) is type(self) and other.url == self.url
+                and other._custom == self._custom)
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self._url))
 
     def __getstate__(self) -> dict[str, Any]:
-        # The filesystem object may hold sockets or credentials: rebuild it where used.
-        return {"_url": self._url}
+        # The filesystem object may hold sockets: rebuild it where it is used.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_fs", "_base")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._url = state["_url"]
+        self.__dict__.update(state)
         self._fs = None
         self._base = ""
+        self._register()
+
+    def _register(self) -> None:
+        # Plain URLs of this store's bucket/host (model.save, a spec's root_url) then
+        # reach the same endpoint with the same credentials in this process.
+        options = {**filesystems.url_options(self._url), **self._options}
+        filesystems.register_options(self._url, options)
 
     @property
     def url(self) -> str:
@@ -129,163 +166,277 @@ class Store:
     def filesystem(self) -> pafs.FileSystem:
         """The pyarrow filesystem, created on first use in this process."""
         if self._fs is None:
-            self._fs, base = filesystem_from_url(self._url)
+            self._fs, base = filesystem_from_url(self._url, self._options or None)
             self._base = base.rstrip("/") or "/"
         return self._fs
 
+    @property
+    def fs(self) -> pafs.FileSystem:
+        """Horovod's name for ``filesystem``."""
+        return self.filesystem
+
+    def get_filesystem(self) -> pafs.FileSystem:
+        """The pyarrow filesystem (Horovod's ``FilesystemStore.get_filesystem``)."""
+        return self.filesystem
+
+    # Paths ----------------------------------------------------------------------------
+
+    def _is_full(self, path: str) -> bool:
+        return bool(filesystems.scheme_of(path)) or path.startswith(("/", "file:", "dbfs:"))
+
+    def _full(self, path: str) -> str:
+        """A full path/URL for ``path`` (relative paths are under the prefix)."""
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"a store path must be a non-empty string, got {path!r}")
+        if path.startswith("/") and not filesystems.is_local(self._url):
+            split = urlsplit(self._url)  # absolute on this store's bucket or namenode
+            return filesystems.unsplit(split._replace(path=path, query=""))
+        return path if self._is_full(path) else join_url(self._url, path)
+
     def path(self, *parts: str) -> str:
-        """Filesystem path (for ``self.filesystem``) of ``parts`` under the prefix."""
+        """Filesystem path (for ``self.filesystem``) of ``parts``.
+
+        The first part may be a full path or URL on this store's filesystem; otherwise
+        all parts are relative to the prefix.
+        """
         self.filesystem  # noqa: B018 - resolves the base path
-        parts = tuple(p.strip("/") for p in parts if p)
-        return posixpath.join(self._base, *parts) if parts else self._base
+        parts = tuple(p for p in parts if p)
+        if parts and self._is_full(parts[0]):
+            base = self.get_localized_path(parts[0]).rstrip("/") or "/"
+            parts = parts[1:]
+        else:
+            base = self._base
+        parts = tuple(p.strip("/") for p in parts)
+        return posixpath.join(base, *parts) if parts else base
 
     def url_of(self, *parts: str) -> str:
-        """URL (or local path) of ``parts`` under the prefix, openable in another process."""
+        """URL (or local path) of ``parts`` (see ``path``), openable in another process."""
+        if parts and parts[0] and self._is_full(parts[0]):
+            return join_url(self._full(parts[0]), *parts[1:])
         return join_url(self._url, *parts)
+
+    def get_full_path(self, path: str) -> str:
+        """Full URL of ``path`` (relative paths are taken under the prefix).
+
+        Local stores return ``file:///...`` URIs, as Horovod's do, so that Spark reads them
+        from the local filesystem whatever its default filesystem is.
+        """
+        return filesystems.strip_query(self._full(path))
+
+    def get_full_path_fn(self) -> Callable[[str], str]:
+        """A picklable function doing ``get_full_path``."""
+        return self.get_full_path
+
+    def get_localized_path(self, path: str) -> str:
+        """The path of ``path`` on ``self.filesystem`` (no scheme, host or query)."""
+        if not self._is_full(path):
+            return self.path(path)
+        path = self._full(path)
+        if filesystems.is_local(path) != filesystems.is_local(self._url):
+            raise ConfigError(f"{path!r} is not on the filesystem of store {self._url!r}")
+        if filesystems.is_local(path):
+            return filesystems.local_path(path)
+        if filesystems.scheme_of(path) != filesystems.scheme_of(self._url):
+            raise ConfigError(f"{path!r} is not on the filesystem of store {self._url!r}")
+        split = urlsplit(filesystems.normalize_url(path))
+        if filesystems.scheme_of(path) == "hdfs":
+            return split.path or "/"
+        return (split.netloc.rpartition("@")[2] + split.path).rstrip("/")
+
+    def relative(self, path: str) -> str | None:
+        """``path`` relative to the prefix, or None if it is not under the prefix."""
+        inner = self.get_localized_path(path) if self._is_full(path) else self.path(path)
+        base = self.path()
+        if inner == base:
+            return ""
+        return inner[len(base) + 1:] if inner.startswith(base.rstrip("/") + "/") else None
 
     # Layout ---------------------------------------------------------------------------
 
+    def _base_of(self, kind: str, default: str) -> str:
+        return self._custom.get(kind, default)
+
     def dataset_path(self, key: str) -> str:
-        """Relative directory of the dataset with cache key ``key``."""
-        return posixpath.join(INTERMEDIATE_DIR, _checked_name(key, "dataset key"))
+        """Directory of the cached dataset with key ``key`` (under the train path)."""
+        return posixpath.join(self._base_of("train", INTERMEDIATE_DIR),
+                              _checked_name(key, "dataset key"))
 
     def data_path(self, key: str, split: str) -> str:
-        """Relative directory of the Parquet files of ``split`` ("train" or "val")."""
+        """Directory of the Parquet files of ``split`` ("train" or "val")."""
         if split not in ("train", "val"):
             raise ConfigError(f"split must be 'train' or 'val', got {split!r}")
         return posixpath.join(self.dataset_path(key), split)
 
     def train_data_path(self, key: str) -> str:
-        """Relative directory of the training Parquet files of dataset ``key``."""
+        """Directory of the training Parquet files of dataset ``key``."""
         return self.data_path(key, "train")
 
     def val_data_path(self, key: str) -> str:
-        """Relative directory of the validation Parquet files of dataset ``key``."""
+        """Directory of the validation Parquet files of dataset ``key``."""
         return self.data_path(key, "val")
 
     def spec_path(self, key: str) -> str:
-        """Relative path of the dataset's spec file, written last as its commit marker."""
+        """Path of the dataset's spec file, written last as its commit marker."""
         return posixpath.join(self.dataset_path(key), SPEC_FILE)
 
     def run_path(self, run_id: str) -> str:
-        """Relative directory of run ``run_id``."""
-        return posixpath.join(RUNS_DIR, _checked_name(run_id, "run_id"))
+        """Directory of run ``run_id`` (relative unless ``runs_path`` was given)."""
+        return posixpath.join(self._base_of("runs", RUNS_DIR), _checked_name(run_id, "run_id"))
 
     def checkpoints_path(self, run_id: str) -> str:
-        """Relative directory of the checkpoints of run ``run_id``."""
+        """Directory of the checkpoints of run ``run_id``."""
         return posixpath.join(self.run_path(run_id), "checkpoints")
 
     def logs_path(self, run_id: str) -> str:
-        """Relative directory of the logs of run ``run_id``."""
-        return posixpath.join(self.run_path(run_id), "logs")
+        """Directory of the logs of run ``run_id``."""
+        return posixpath.join(self.run_path(run_id), LOGS_SUBDIR)
 
-    # Files ----------------------------------------------------------------------------
+    # Horovod's getters: full URLs -----------------------------------------------------
 
-    def exists(self, rel: str) -> bool:
-        """Whether a file or directory exists at ``rel``."""
-        info = self.filesystem.get_file_info(self.path(rel))
-        return info.type != pafs.FileType.NotFound
+    def _indexed(self, kind: str, default: str, idx: int | None) -> str:
+        base = self.get_full_path(self._base_of(kind, default))
+        return base if idx is None else f"{base}.{idx}"
 
-    def read_bytes(self, rel: str) -> bytes:
-        """Contents of the file at ``rel``; FileNotFoundError if it is missing."""
-        with self.filesystem.open_input_stream(self.path(rel)) as stream:
-            return stream.read()
+    def get_train_data_path(self, idx: int | None = None) -> str:
+        """Training data path; with ``idx``, that of ``prepare_data``'s dataset ``idx``."""
+        return self._indexed("train", INTERMEDIATE_DIR, idx)
 
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        """Write ``data`` to ``rel`` so that readers never see a partial file.
+    def get_val_data_path(self, idx: int | None = None) -> str:
+        """Validation data path; with ``idx``, that of ``prepare_data``'s dataset ``idx``."""
+        return self._indexed("val", VAL_DIR, idx)
 
-        On local and HDFS filesystems the data goes to a temporary name first and is
-        renamed into place; object stores (S3, GCS) publish an upload atomically anyway.
-        """
-        fs = self.filesystem
-        target = self.path(rel)
-        fs.create_dir(posixpath.dirname(target), recursive=True)
-        if fs.type_name not in _RENAME_ATOMIC:
-            with fs.open_output_stream(target) as out:
-                out.write(data)
-            return
-        temp = f"{target}{_TEMP_MARK}{uuid.uuid4().hex}"
-        try:
-            with fs.open_output_stream(temp) as out:
-                out.write(data)
-            fs.move(temp, target)
-        except BaseException:
-            _delete_quietly(fs, temp)
-            raise
+    def get_test_data_path(self, idx: int | None = None) -> str:
+        """Test data path (``.<idx>`` appended when given)."""
+        return self._indexed("test", TEST_DIR, idx)
 
-    def delete(self, rel: str) -> None:
-        """Delete the file or directory tree at ``rel`` (no error if it is missing)."""
-        fs = self.filesystem
-        path = self.path(rel)
-        info = fs.get_file_info(path)
-        if info.type == pafs.FileType.Directory:
-            fs.delete_dir(path)
-        elif info.type != pafs.FileType.NotFound:
-            fs.delete_file(path)
+    def saving_runs(self) -> bool:
+        """Whether checkpoints and logs of runs are kept (``save_runs``)."""
+        return self._save_runs
 
-    def list_files(self, rel: str) -> list[str]:
-        """Names of the files directly under directory ``rel`` (empty if it is missing)."""
-        selector = pafs.FileSelector(self.path(rel), allow_not_found=True)
-        infos = self.filesystem.get_file_info(selector)
-        return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+    def get_runs_path(self) -> str:
+        """Base path of all runs."""
+        return self.get_full_path(self._base_of("runs", RUNS_DIR))
 
-    def read_json(self, rel: str) -> Any:
-        """Parsed JSON content of ``rel``."""
-        return json.loads(self.read_bytes(rel))
+    def get_run_path(self, run_id: str) -> str:
+        """Path of run ``run_id``."""
+        return self.get_full_path(self.run_path(run_id))
 
-    def write_json(self, rel: str, obj: Any) -> None:
-        """Write ``obj`` as JSON to ``rel``, atomically (see ``write_bytes``)."""
-        self.write_bytes(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
+    def get_checkpoint_path(self, run_id: str) -> str | None:
+        """Directory of the checkpoints of ``run_id``; None when runs are not saved."""
+        return self.get_full_path(self.checkpoints_path(run_id)) if self._save_runs else None
 
-    # Checkpoints ----------------------------------------------------------------------
+    def get_checkpoints(self, run_id: str, suffix: str = ".ckpt") -> list[str]:
+        """Full paths of the checkpoint files of ``run_id`` ending in ``suffix``, sorted."""
+        directory = self.checkpoints_path(run_id)
+        return [self.get_full_path(posixpath.join(directory, name))
+                for name in self.list_files(directory) if name.endswith(suffix)]
 
-    def save_checkpoint(self, run_id: str, epoch: int, data: bytes) -> str:
-        """Store the checkpoint of ``epoch`` (0-based) of ``run_id``; return its relative path."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ConfigError(f"checkpoint epoch must be an int >= 0, got {epoch!r}")
-        rel = posixpath.join(self.checkpoints_path(run_id), f"epoch-{epoch:06d}.ckpt")
-        self.write_bytes(rel, data)
-        return rel
+    def get_logs_path(self, run_id: str) -> str | None:
+        """Directory of the logs of ``run_id``; None when runs are not saved."""
+        return self.get_full_path(self.logs_path(run_id)) if self._save_runs else None
 
-    def list_checkpoints(self, run_id: str) -> list[int]:
-        """Epochs that have a complete checkpoint in run ``run_id``, ascending."""
-        names = self.list_files(self.checkpoints_path(run_id))
-        return sorted(int(m.group(1)) for m in map(_CHECKPOINT_RE.match, names) if m)
+    def get_checkpoint_filename(self) -> str:
+        """Base name Horovod gives a checkpoint file (``checkpoint_filename``)."""
+        return self._checkpoint_filename
 
-    def latest_checkpoint(self, run_id: str) -> tuple[int, bytes] | None:
-        """``(epoch, bytes)`` of the newest checkpoint of ``run_id``, or None if there is none."""
-        epochs = self.list_checkpoints(run_id)
-        if not epochs:
-            return None
-        rel = posixpath.join(self.checkpoints_path(run_id), f"epoch-{epochs[-1]:06d}.ckpt")
-        return epochs[-1], self.read_bytes(rel)
+    def get_logs_subdir(self) -> str:
+        """Name of the logs directory inside a run."""
+        return LOGS_SUBDIR
+
+    @staticmethod
+    def matches(path: str) -> bool:
+        """Whether this class handles ``path`` (any URL for the generic store)."""
+        return isinstance(path, str)
 
 
-class LocalStore(Store):
+AbstractFilesystemStore = Store
+
+
+class FilesystemStore(Store):
+    """A store on any filesystem pyarrow supports (``s3://``, ``s3a://``, ``gs://``, local, ...)."""
+
+
+class LocalStore(FilesystemStore):
     """A store on the local (or a mounted shared) filesystem."""
 
-    def __init__(self, prefix: str) -> None:
-        if not isinstance(prefix, str) or not _is_local(prefix):
-            raise ConfigError(f"LocalStore needs a local path or file:// URL, got {prefix!r}")
-        super().__init__(prefix)
+    def __init__(self, prefix_path: str, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(prefix_path, str) or not filesystems.is_local(prefix_path):
+            raise ConfigError(f"LocalStore needs a local path or file:// URL, got {prefix_path!r}")
+        super().__init__(prefix_path, *args, **kwargs)
+
+    def get_full_path(self, path: str) -> str:
+        """``file:///...`` URI of ``path`` (relative paths are under the prefix)."""
+        return "file://" + filesystems.local_path(self._full(path))
 
 
 class HDFSStore(Store):
-    """A store on HDFS (``hdfs://namenode:port/path``); needs libhdfs where it is used."""
+    """A store on HDFS; needs libhdfs (and a Hadoop client) where it is used.
 
-    def __init__(self, prefix: str) -> None:
-        if not isinstance(prefix, str) or not prefix.startswith("hdfs://"):
-            raise ConfigError(f"HDFSStore needs an hdfs:// URL, got {prefix!r}")
-        super().__init__(prefix)
+    Args:
+        prefix_path: ``hdfs://namenode:8020/path``, ``hdfs:///path`` or ``/path``.
+        host, port: Namenode; default: from the URL, else ``fs.defaultFS`` (``"default"``).
+        user: HDFS user name.
+        kerb_ticket: Path of the Kerberos ticket cache.
+        driver: Ignored: pyarrow has only ``libhdfs`` (Horovod's default).
+        extra_conf: Extra Hadoop configuration, overriding ``hdfs-site.xml``.
+        *args, **kwargs: The other ``Store`` arguments.
+
+    The filesystem is created on first use, so constructing the store needs no HDFS.
+    """
+
+    def __init__(self, prefix_path: str, host: str | None = None, port: int | None = None,
+                 user: str | None = None, kerb_ticket: str | None = None,
+                 driver: str = "libhdfs", extra_conf: dict[str, str] | None = None,
+                 *args: Any, **kwargs: Any) -> None:
+        if isinstance(prefix_path, str) and prefix_path.startswith("/"):
+            prefix_path = "hdfs://" + prefix_path
+        if not isinstance(prefix_path, str) or not self.matches(prefix_path):
+            raise ConfigError(
+                f"HDFSStore needs an hdfs:// URL (or an absolute HDFS path), got {prefix_path!r}"
+            )
+        if not urlsplit(prefix_path).path.strip("/"):
+            raise ConfigError(f"HDFSStore needs a path after the namenode in {prefix_path!r}")
+        if driver != "libhdfs":
+            log.info("HDFSStore ignores driver=%r: pyarrow connects through libhdfs", driver)
+        options = dict(kwargs.pop("storage_options", None) or {})
+        given = {"host": host, "port": port, "user": user, "kerb_ticket": kerb_ticket,
+                 "extra_conf": extra_conf}
+        options.update({k: v for k, v in given.items() if v is not None})
+        super().__init__(prefix_path, *args, storage_options=options, **kwargs)
+
+    @staticmethod
+    def matches(path: str) -> bool:
+        """Whether ``path`` is an ``hdfs://`` URL."""
+        return isinstance(path, str) and path.startswith("hdfs://")
 
 
 class DBFSLocalStore(LocalStore):
-    """A Databricks DBFS store read through its local FUSE mount: ``dbfs:/x`` -> ``/dbfs/x``."""
+    """A Databricks DBFS store used through its local FUSE mount: ``dbfs:/x`` -> ``/dbfs/x``.
 
-    def __init__(self, prefix: str) -> None:
-        if isinstance(prefix, str) and prefix.startswith("dbfs:"):
-            prefix = "/dbfs/" + prefix[len("dbfs:"):].lstrip("/")
-        super().__init__(prefix)
+    Takes ``dbfs:/...``, ``/dbfs/...``, ``file:/dbfs/...`` and ``file:///dbfs/...``.
+    """
+
+    def __init__(self, prefix_path: str, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(prefix_path, str):
+            raise ConfigError(f"DBFSLocalStore needs a DBFS path, got {prefix_path!r}")
+        if len(args) < 7:  # Horovod's DBFS checkpoint is a TensorFlow SavedModel directory
+            kwargs.setdefault("checkpoint_filename", "checkpoint.tf")
+        super().__init__(filesystems.dbfs_local_path(prefix_path), *args, **kwargs)
+
+    @staticmethod
+    def matches_dbfs(path: str) -> bool:
+        """Whether ``path`` names a DBFS location."""
+        try:
+            filesystems.dbfs_local_path(path)
+        except (ConfigError, TypeError, AttributeError):
+            return False
+        return True
+
+    @staticmethod
+    def normalize_path(path: str) -> str:
+        """The ``/dbfs/...`` form of a DBFS path."""
+        return filesystems.dbfs_local_path(path)
+
 
 
 def _checked_name(name: str, what: str) -> str:
@@ -294,10 +445,3 @@ def _checked_name(name: str, what: str) -> str:
             f"{what} must be a non-empty name of letters, digits and ._=+- (no '/'), got {name!r}"
         )
     return name
-
-
-def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
-    try:
-        fs.delete_file(path)
-    except OSError:
-        pass  # the temp file may never have been created

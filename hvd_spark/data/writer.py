@@ -33,6 +33,7 @@ import json
 import logging
 import posixpath
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -53,6 +54,7 @@ from hvd_spark.errors import ConfigError, DataError
 logger = logging.getLogger(__name__)
 
 IS_VAL = "__hvd_spark_is_val"
+DATASET_SPEC_FILE = "_hvd_spark_spec.json"  # in train_dir; "_" so readers skip it
 _NUMERIC = {
     "byte": "int8", "short": "int16", "integer": "int32", "long": "int64",
     "float": "float32", "double": "float64", "boolean": "bool",
@@ -72,6 +74,8 @@ def prepare_data(
     val_batch_size: int | None = None,
     partitions_per_process: int = 2,
     seed: int = 0,
+    train_dir: str | None = None,
+    val_dir: str | None = None,
 ) -> DatasetSpec:
     """Check ``df``, write it as Parquet shards in ``store`` (or reuse them) and return the spec.
 
@@ -88,6 +92,12 @@ def prepare_data(
         val_batch_size: Validation batch size per process; default ``batch_size``.
         partitions_per_process: Parquet files per process.
         seed: Seed of the random validation split.
+        train_dir: Directory (under the store's prefix: a full path/URL or relative) to
+            write the training files to, instead of the content-addressed cache; the spec
+            goes beside them as ``_hvd_spark_spec.json`` (Spark and pyarrow skip ``_``
+            files). A dataset already there with the same cache key is reused; anything
+            else there is replaced. Used by ``dataset_index.prepare_data``.
+        val_dir: Directory of the validation files when ``train_dir`` is given.
 
     Returns:
         The ``DatasetSpec`` of the written (or reused) dataset.
@@ -117,18 +127,21 @@ def prepare_data(
         "num_files": num_files, "rows": stats["n"],
     }
     key = _cache_key(stats["fingerprint"], columns, settings)
-    cached = _cached_spec(store, key)
+    layout = _Layout.of(store, key, train_dir, val_dir)
+    cached = _cached_spec(store, layout, key)
     if cached is not None:
-        logger.info("reusing dataset %s in %s (same data and settings)", key, store.url)
+        logger.info("reusing dataset %s in %s (same data and settings)", key,
+                    store.url_of(layout.root))
         return cached
-    store.delete(store.dataset_path(key))  # a partial write from an interrupted run
+    for path in layout.clear:  # a partial write, or another dataset at a fixed location
+        store.delete(path)
     out = selected.repartition(num_files)
-    written = out.mapInArrow(_ShardWriter(store, key, columns),
+    written = out.mapInArrow(_ShardWriter(store, layout, columns),
                              "split string, file string, rows long")
     splits = _splits(written.collect())
     spec = DatasetSpec(
         key=key,
-        root_url=store.url_of(store.dataset_path(key)),
+        root_url=store.url_of(layout.root),
         columns=tuple(columns),
         feature_cols=tuple(features),
         label_cols=tuple(labels),
@@ -137,7 +150,7 @@ def prepare_data(
         val=splits.get("val", SplitSpec()),
         settings=settings,
     )
-    store.write_bytes(store.spec_path(key), spec.to_json().encode())
+    store.write_bytes(layout.spec, spec.to_json().encode())
     logger.info("wrote dataset %s: %d train / %d val rows", key, spec.train.num_rows,
                 spec.val.num_rows)
     return spec
@@ -306,16 +319,49 @@ def _cache_key(fingerprint: Any, columns: list[ColumnSpec], settings: dict) -> s
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _cached_spec(store: Store, key: str) -> DatasetSpec | None:
+@dataclass(frozen=True)
+class _Layout:
+    """Where one dataset goes: store paths (relative to the prefix, or full)."""
+
+    root: str
+    spec: str
+    dirs: dict[str, str]
+    rel: dict[str, str]  # split directory relative to root, as the spec lists files
+    clear: tuple[str, ...]
+
+    @classmethod
+    def of(cls, store: Store, key: str, train_dir: str | None,
+           val_dir: str | None) -> _Layout:
+        if train_dir is None and val_dir is None:
+            return cls(store.dataset_path(key), store.spec_path(key),
+                       {s: store.data_path(key, s) for s in ("train", "val")},
+                       {"train": "train", "val": "val"}, (store.dataset_path(key),))
+        dirs = {"train": train_dir, "val": val_dir}
+        rel = {}
+        for split, path in dirs.items():
+            inside = store.relative(path) if isinstance(path, str) and path else None
+            if not inside:
+                raise ConfigError(
+                    f"{split}_dir must be a directory under the store prefix {store.url!r}, "
+                    f"got {path!r}"
+                )
+            rel[split] = inside
+        return cls("", posixpath.join(rel["train"], DATASET_SPEC_FILE), rel, rel,
+                   (rel["train"], rel["val"]))
+
+
+def _cached_spec(store: Store, layout: _Layout, key: str) -> DatasetSpec | None:
     """The committed spec of ``key`` if it exists and all its files are present."""
-    if not store.exists(store.spec_path(key)):
+    if not store.exists(layout.spec):
         return None
     try:
-        spec = DatasetSpec.from_json(store.read_bytes(store.spec_path(key)))
+        spec = DatasetSpec.from_json(store.read_bytes(layout.spec))
     except (ValueError, KeyError, TypeError, ConfigError) as exc:
         logger.warning("ignoring unreadable spec of dataset %s: %s", key, exc)
         return None
-    files = [store.path(store.dataset_path(key), f) for f in spec.train.files + spec.val.files]
+    if spec.key != key:
+        return None
+    files = [store.path(layout.root, f) for f in spec.train.files + spec.val.files]
     infos = store.filesystem.get_file_info(files) if files else []
     if any(i.type != pafs.FileType.File for i in infos):
         logger.warning("dataset %s is missing files; rewriting it", key)
@@ -341,9 +387,9 @@ def _splits(rows: list) -> dict[str, SplitSpec]:
 class _ShardWriter:
     """The ``mapInArrow`` function: writes one partition's train/val rows as Parquet files."""
 
-    def __init__(self, store: Store, key: str, columns: Sequence[ColumnSpec]) -> None:
+    def __init__(self, store: Store, layout: _Layout, columns: Sequence[ColumnSpec]) -> None:
         self.store = store
-        self.key = key
+        self.layout = layout
         self.columns = list(columns)
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -377,7 +423,7 @@ class _ShardWriter:
             if temp != final:
                 fs.move(temp, final)  # publish only complete files
             out["split"].append(split)
-            out["file"].append(posixpath.join(split, posixpath.basename(final)))
+            out["file"].append(posixpath.join(self.layout.rel[split], posixpath.basename(final)))
             out["rows"].append(counts[split])
         if out["split"]:
             yield pa.RecordBatch.from_pydict(
@@ -386,7 +432,7 @@ class _ShardWriter:
 
     def _open(self, split: str, part: int, schema: pa.Schema) -> tuple[Any, Any, str, str]:
         fs = self.store.filesystem
-        directory = self.store.path(self.store.data_path(self.key, split))
+        directory = self.store.path(self.layout.dirs[split])
         fs.create_dir(directory, recursive=True)
         final = posixpath.join(directory, f"part-{part:05d}.parquet")
         temp = final + ".tmp" if fs.type_name in ("local", "hdfs") else final

@@ -1,9 +1,11 @@
 """Saving and loading estimators and models: Spark ML metadata plus opaque files.
 
-``save(path)`` writes Spark's ``metadata`` (class, uid, JSON-able params) and a
-``data/`` folder holding the rest: the cloudpickled Python-object params and, for
-models, the trained model's bytes and history. Paths go through pyarrow's
-filesystems, so they may be local, HDFS, S3, ...
+``save(path)`` writes Spark's ``metadata`` (class, uid, JSON-able params, in the text
+layout Spark's ``DefaultParamsWriter`` uses) and a ``data/`` folder holding the rest:
+the cloudpickled Python-object params and, for models, the trained model's bytes and
+history. Everything goes through one pyarrow filesystem (local, ``dbfs:/``, HDFS,
+``s3://``/``s3a://``, ...), never half through Hadoop, and the metadata is written last
+so that an interrupted save never looks like a saved model.
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ import posixpath
 from typing import Any
 
 import cloudpickle
+from pyarrow import fs as pafs
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
-from hvd_spark.data.store import filesystem_from_url
+from hvd_spark.data.filesystems import filesystem_from_url
+from hvd_spark.data.store import join_url
+from hvd_spark.errors import ConfigError
+
+_METADATA_FILE = "part-00000"
 
 
 def _write_file(url: str, data: bytes) -> None:
@@ -30,6 +37,19 @@ def _read_file(url: str) -> bytes:
     fs, path = filesystem_from_url(url)
     with fs.open_input_stream(path) as src:
         return src.read()
+
+
+def _read_metadata(url: str) -> str:
+    """The JSON line of ``<url>/metadata`` (ours, or a part file Spark wrote)."""
+    fs, path = filesystem_from_url(join_url(url, "metadata"))
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    parts = sorted(i.path for i in infos if i.type == pafs.FileType.File
+                   and not i.base_name.startswith(("_", ".")))
+    if not parts:
+        raise ConfigError(f"{url!r} holds no saved estimator or model (no metadata/); "
+                          "check the path")
+    with fs.open_input_stream(parts[0]) as src:
+        return src.read().decode("utf-8").splitlines()[0]
 
 
 def json_params(instance: Any) -> dict[str, Any]:
@@ -57,14 +77,30 @@ class PickledWriter(MLWriter):
         super().__init__()
         self.instance = instance
 
+    def save(self, path: str) -> None:
+        """Save to ``path``; an existing path is replaced only after ``overwrite()``."""
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"save path must be a non-empty path or URL, got {path!r}")
+        fs, target = filesystem_from_url(path)
+        if fs.get_file_info(target).type != pafs.FileType.NotFound:
+            if not self.shouldOverwrite:
+                raise ConfigError(f"{path!r} already exists: use write().overwrite().save(path) "
+                                  "to replace it, or another path")
+            if fs.get_file_info(target).type == pafs.FileType.Directory:
+                fs.delete_dir(target)
+            else:
+                fs.delete_file(target)
+        self.saveImpl(path)
+
     def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark's API name
-        DefaultParamsWriter.saveMetadata(
-            self.instance, path, self.sparkSession, paramMap=json_params(self.instance)
-        )
-        _write_file(posixpath.join(path, "data", "params.pkl"),
+        _write_file(join_url(path, "data", "params.pkl"),
                     cloudpickle.dumps(object_params(self.instance)))
         for name, blob in self.instance._persisted_blobs().items():
-            _write_file(posixpath.join(path, "data", name), blob)
+            _write_file(join_url(path, "data", name), blob)
+        metadata = DefaultParamsWriter._get_metadata_to_save(
+            self.instance, self.sparkSession, paramMap=json_params(self.instance))
+        _write_file(join_url(path, "metadata", _METADATA_FILE), (metadata + "\n").encode())
+        _write_file(join_url(path, "metadata", "_SUCCESS"), b"")
 
 
 class PickledReader(MLReader):
@@ -75,16 +111,16 @@ class PickledReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> Any:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = DefaultParamsReader._parseMetaData(_read_metadata(path))
         module, _, name = metadata["class"].rpartition(".")
         cls = getattr(importlib.import_module(module), name)
         instance = cls.__new__(cls)
         instance._init_empty()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
-        objects = cloudpickle.loads(_read_file(posixpath.join(path, "data", "params.pkl")))
+        objects = cloudpickle.loads(_read_file(join_url(path, "data", "params.pkl")))
         instance._set(**objects)
-        blobs = {name: _read_file(posixpath.join(path, "data", name))
+        blobs = {name: _read_file(join_url(path, "data", name))
                  for name in instance._blob_names()}
         instance._restore_blobs(blobs)
         return instance

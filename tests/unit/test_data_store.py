@@ -7,7 +7,14 @@ import pickle
 
 import pytest
 
-from hvd_spark.data.store import DBFSLocalStore, HDFSStore, LocalStore, Store, join_url
+from hvd_spark.data.store import (
+    DBFSLocalStore,
+    FilesystemStore,
+    HDFSStore,
+    LocalStore,
+    Store,
+    join_url,
+)
 from hvd_spark.errors import ConfigError
 
 
@@ -17,11 +24,11 @@ def test_create_picks_class_from_prefix(tmp_path):
     assert type(Store.create("hdfs://nn:8020/x")) is HDFSStore
     dbfs = Store.create("dbfs:/ml/runs")
     assert type(dbfs) is DBFSLocalStore and dbfs.url == "/dbfs/ml/runs"
-    assert type(Store.create("s3://bucket/prefix")) is Store
+    assert type(Store.create("s3://bucket/prefix")) is FilesystemStore
     with pytest.raises(ConfigError, match="LocalStore needs a local path"):
         LocalStore("s3://bucket/x")
     with pytest.raises(ConfigError, match="HDFSStore needs an hdfs://"):
-        HDFSStore("/tmp/x")
+        HDFSStore("s3://bucket/x")
 
 
 def test_unsupported_scheme_is_a_config_error():
