@@ -1,5 +1,8 @@
 """Spark ML Estimators that train with hvd_spark: ``TorchEstimator``, ``KerasEstimator``.
 
+``SparkBackend`` (and the ``Backend`` base) are re-exported from ``hvd_spark.runner``, so
+Horovod's ``backend=SparkBackend(...)`` works with the Estimators' import.
+
 Importing this package needs pyspark but neither torch nor TensorFlow.
 """
 
@@ -7,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KerasEstimator", "KerasModel", "TorchEstimator", "TorchModel"]
+__all__ = [
+    "Backend", "KerasEstimator", "KerasModel", "SparkBackend", "TorchEstimator", "TorchModel",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from hvd_spark.estimator import keras as keras_adapter
 
         return getattr(keras_adapter, name)
+    if name in ("Backend", "SparkBackend"):
+        from hvd_spark.runner import backend
+
+        return getattr(backend, name)
     raise AttributeError(f"module 'hvd_spark.estimator' has no attribute {name!r}")

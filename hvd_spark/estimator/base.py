@@ -1,4 +1,4 @@
-"""What both estimators share: fit = check -> write data -> run the workers -> Model.
+"""What every estimator shares: fit = check -> write data -> run the workers -> Model.
 
 A framework adapter (torch.py, keras.py) supplies what to ship (the serialized
 model), the worker function that trains, and how a Model predicts. Frameworks are
@@ -8,7 +8,9 @@ import this package.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import posixpath
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -17,21 +19,44 @@ from typing import Any
 from pyspark.ml import Estimator, Model
 from pyspark.ml.util import MLReadable, MLWritable
 
+from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError
 from hvd_spark.estimator import progress, transform
-from hvd_spark.estimator.params import MODEL_PARAMS, SHARED_PARAMS, KeywordParams, define_params
+from hvd_spark.estimator.params import SHARED_PARAMS, KeywordParams, define_params
 from hvd_spark.estimator.persistence import PickledReader, PickledWriter
-from hvd_spark.estimator.train_spec import TrainSpec
+from hvd_spark.estimator.train_spec import TrainSpec, batch_shape
+from hvd_spark.runner.backend import Backend, SparkBackend
 
 log = logging.getLogger(__name__)
+
+_START_METHODS = ("fork", "spawn", "forkserver")
+
+# Params a fitted model has (Horovod's names; outputCols is camelCase there too).
+MODEL_PARAMS: list[tuple[str, str, Any, Any]] = [
+    ("feature_columns", "feature column names, in the model's input order", None, None),
+    ("label_columns", "label column names, one per model output", None, None),
+    ("outputCols", "prediction column names (default: <label>__output)", None, None),
+    ("run_id", "id of the run that trained the model", None, None),
+    ("batch_size", "rows per model call in transform", None, 32),
+    ("loss", "the loss used in training", None, None),
+]
 
 
 class PickledPersistence(MLWritable, MLReadable):
     """save/load through PickledWriter/PickledReader; subclasses add their blobs."""
 
+    #: Params not saved (Horovod does not save them either): they hold live objects.
+    _unsaved_params: tuple[str, ...] = ()
+
     def write(self) -> PickledWriter:
-        return PickledWriter(self)
+        instance = self
+        unsaved = [p for p in self._unsaved_params if self.isSet(getattr(self, p))]
+        if unsaved:
+            instance = self.copy()
+            for name in unsaved:
+                instance.clear(getattr(instance, name))
+        return PickledWriter(instance)
 
     @classmethod
     def read(cls) -> PickledReader:
@@ -51,16 +76,16 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
     """Base of KerasEstimator and TorchEstimator (not used directly)."""
 
     _param_specs = SHARED_PARAMS
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self.set_keywords(kwargs)
+    _unsaved_params = ("backend",)
 
     # ---------------------------------------------------------------- adapter hooks
 
     def _check_framework(self) -> None:
         """Raise ConfigError for framework objects that cannot work."""
         raise NotImplementedError
+
+    def _check_dataset(self, dataset: DatasetSpec) -> None:
+        """Raise ConfigError when the stored columns cannot feed the model (shapes)."""
 
     def _payload(self) -> Any:
         """The picklable serialized model/optimizer/loss shipped to the workers."""
@@ -73,6 +98,10 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
     def _model_class(self) -> type[HvdModel]:
         raise NotImplementedError
 
+    def _model_params(self) -> dict[str, Any]:
+        """Framework-specific Params of the fitted model."""
+        return {}
+
     def _extra(self) -> dict:
         """Framework-specific TrainSpec settings."""
         return {}
@@ -81,24 +110,65 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         """Environment variables for the ranks."""
         return {}
 
-    # ---------------------------------------------------------------- fit
+    # ---------------------------------------------------------------- checks
 
     def _check_params(self) -> None:
-        required = ("model", "featureCols", "labelCols")
-        missing = [snake for snake in required if not self.value(snake)]
+        required = ("model", "feature_cols", "label_cols")
+        missing = [name for name in required if not self.value(name)]
         if missing:
             raise ConfigError(f"{type(self).__name__} needs {', '.join(missing)} to be set")
-        for name in ("epochs", "batchSize", "partitionsPerProcess", "backwardPassesPerStep"):
+        for name in ("epochs", "batch_size", "partitions_per_process",
+                     "backward_passes_per_step"):
             if self.value(name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {self.value(name)}")
-        for name in ("numProc", "valBatchSize", "trainStepsPerEpoch", "validationStepsPerEpoch"):
+        for name in ("num_proc", "val_batch_size", "train_steps_per_epoch",
+                     "validation_steps_per_epoch", "train_reader_num_workers",
+                     "val_reader_num_workers"):
             value = self.value(name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1 when set, got {value}")
+        if (self.value("shuffle_buffer_size") or 0) < 0:
+            raise ConfigError(f"shuffle_buffer_size must be >= 0, got "
+                              f"{self.value('shuffle_buffer_size')}")
         validation = self.value("validation")
         if isinstance(validation, float) and not 0.0 <= validation < 1.0:
             raise ConfigError(f"validation as a fraction must be in [0, 1), got {validation}")
+        method = self.value("mp_start_method")
+        if method is not None and method not in _START_METHODS:
+            raise ConfigError(f"mp_start_method must be one of {_START_METHODS}, got {method!r}")
+        fn = self.value("transformation_fn")
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"transformation_fn must be callable, got {type(fn).__name__}")
+        self._label_shapes()
         self._check_framework()
+
+    def _label_shapes(self) -> list[tuple[int, ...]] | None:
+        shapes = self.value("label_shapes")
+        if shapes is None:
+            return None
+        labels = self.value("label_cols") or []
+        if not isinstance(shapes, (list, tuple)) or len(shapes) != len(labels):
+            raise ConfigError(f"label_shapes must hold one shape per label column "
+                              f"({len(labels)}), got {shapes!r}")
+        return [batch_shape(s, "label_shapes") for s in shapes]
+
+    def _backend(self, stdout: Any = None) -> Backend:
+        """The user's backend, or a SparkBackend of ``num_proc`` ranks (Horovod's rule)."""
+        backend, num_proc = self.value("backend"), self.value("num_proc")
+        if backend is not None and num_proc is not None:
+            raise ConfigError('at most one of the parameters "backend" and "num_proc" may be '
+                              "given: set num_proc on the backend (SparkBackend(num_proc=...))")
+        use_gpu = None if self.value("use_gpu") else False
+        if backend is None:
+            return SparkBackend(num_proc, verbose=self.value("verbose"), stdout=stdout,
+                                use_gpu=use_gpu)
+        if isinstance(backend, SparkBackend):
+            return backend.with_options(stdout=stdout, use_gpu=use_gpu)
+        if not (callable(getattr(backend, "run", None))
+                and callable(getattr(backend, "num_processes", None))):
+            raise ConfigError(f"backend must be a Backend (run and num_processes methods), "
+                              f"got {type(backend).__name__}")
+        return backend
 
     def _store(self) -> Store:
         store = self.value("store")
@@ -109,48 +179,90 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             self._set(store=store)
         return Store.create(store) if not isinstance(store, Store) else store
 
+    # ---------------------------------------------------------------- fit
+
     def _fit(self, df):
         from hvd_spark.data import writer
-        from hvd_spark.runner.api import run
 
         self._check_params()
-        spark = df.sparkSession
-        num_proc = self.value("numProc") or spark.sparkContext.defaultParallelism
+        backend = self._backend()
         store = self._store()
-        # A generated id is not stored on the estimator: fitting it again starts afresh.
-        run_id = self.value("runId") or f"run_{uuid.uuid4().hex[:12]}"
+        seed = self.value("random_seed")
         dataset = writer.prepare_data(
             df, store,
-            feature_cols=self.value("featureCols"),
-            label_cols=self.value("labelCols"),
-            sample_weight_col=self.value("sampleWeightCol"),
+            feature_cols=self.value("feature_cols"),
+            label_cols=self.value("label_cols"),
+            sample_weight_col=self.value("sample_weight_col"),
             validation=self.value("validation"),
-            num_proc=num_proc,
-            batch_size=self.value("batchSize"),
-            val_batch_size=self.value("valBatchSize"),
-            partitions_per_process=self.value("partitionsPerProcess"),
-            seed=self.value("randomSeed"),
+            num_proc=backend.num_processes(),
+            batch_size=self.value("batch_size"),
+            val_batch_size=self.value("val_batch_size"),
+            partitions_per_process=self.value("partitions_per_process"),
+            seed=0 if seed is None else seed,
         )
+        return self._fit_on_dataset(dataset, store)
+
+    def fit_on_parquet(self, params: dict | None = None, dataset_idx: Any = None) -> HvdModel:
+        """Train on data already written to the store, without a DataFrame (Horovod's API).
+
+        Args:
+            params: Optional param map overriding this estimator's params.
+            dataset_idx: The dataset: the index given to ``prepare_data`` (its files at
+                ``store.get_train_data_path(dataset_idx)``), a ``DatasetSpec``, or
+                None for the store's only written dataset.
+        """
+        if params:
+            return self.copy(params).fit_on_parquet(dataset_idx=dataset_idx)
+        self._check_params()
+        store = self._store()
+        dataset = _stored_dataset(store, dataset_idx)
+        wanted = [*self.value("feature_cols"), *self.value("label_cols")]
+        if self.value("sample_weight_col"):
+            wanted.append(self.value("sample_weight_col"))
+        missing = [c for c in wanted if c not in dataset.column_names]
+        if missing:
+            raise ConfigError(f"fit_on_parquet: column(s) {missing} are not in the stored "
+                              f"dataset, which holds {dataset.column_names}")
+        # The estimator's columns decide which stored columns are features and labels.
+        dataset = dataclasses.replace(
+            dataset, feature_cols=tuple(self.value("feature_cols")),
+            label_cols=tuple(self.value("label_cols")),
+            sample_weight_col=self.value("sample_weight_col"))
+        return self._fit_on_dataset(dataset, store)
+
+    def _fit_on_dataset(self, dataset: DatasetSpec, store: Store) -> HvdModel:
+        self._check_dataset(dataset)
+        # A generated id is not stored on the estimator: fitting it again starts afresh.
+        run_id = self.value("run_id") or f"run_{uuid.uuid4().hex[:12]}"
         start_epoch = self._resume_epoch(store, run_id)
+        seed = self.value("random_seed")
+        threads = (self.value("train_reader_num_workers"), self.value("val_reader_num_workers"))
         spec = TrainSpec(
             dataset=dataset, store=store, run_id=run_id,
-            batch_size=self.value("batchSize"),
-            val_batch_size=self.value("valBatchSize") or self.value("batchSize"),
+            batch_size=self.value("batch_size"),
+            val_batch_size=self.value("val_batch_size") or self.value("batch_size"),
             epochs=self.value("epochs"), start_epoch=start_epoch,
-            shuffle=self.value("shuffle"), seed=self.value("randomSeed"),
-            train_steps=self.value("trainStepsPerEpoch"),
-            val_steps=self.value("validationStepsPerEpoch"),
-            backward_passes_per_step=self.value("backwardPassesPerStep"),
-            compression=self.value("gradientCompression"),
-            verbose=self.value("verbose"), use_gpu=self.value("useGpu"),
+            shuffle=self.value("shuffle"), seed=0 if seed is None else seed,
+            train_steps=self.value("train_steps_per_epoch"),
+            val_steps=self.value("validation_steps_per_epoch"),
+            backward_passes_per_step=self.value("backward_passes_per_step"),
+            compression=self.value("gradient_compression"),
+            verbose=self.value("verbose"), use_gpu=self.value("use_gpu"),
+            framework_seed=seed,
+            transformation_fn=self.value("transformation_fn"),
+            inmemory_cache_all=self.value("inmemory_cache_all"),
+            shuffle_buffer_size=self.value("shuffle_buffer_size"),
+            train_reader_threads=threads[0], val_reader_threads=threads[1],
+            label_shapes=self._label_shapes(),
+            mp_start_method=self.value("mp_start_method"),
             extra=self._extra(),
         )
         stdout = None
         if self.value("verbose") >= 1 and progress.in_notebook():
             stdout = progress.NotebookProgress(spec.epochs)
-        results = run(self._worker(), args=(spec, self._payload()), num_proc=num_proc,
-                      env=self._worker_env(), stdout=stdout, use_gpu=self.value("useGpu"),
-                      verbose=self.value("verbose"))
+        backend = self._backend(stdout)
+        results = backend.run(self._worker(), args=(spec, self._payload()),
+                              env=self._worker_env())
         return self._make_model(results[0], run_id)
 
     def _resume_epoch(self, store: Store, run_id: str) -> int:
@@ -162,10 +274,18 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
 
     def _make_model(self, result: dict, run_id: str) -> HvdModel:
         model = self._model_class()()
-        params = {p: self.value(p) for p in MODEL_PARAMS if self.value(p) is not None}
-        model._set(**params)
+        labels = self.value("label_cols")
+        params = {
+            "feature_columns": self.value("feature_cols"), "label_columns": labels,
+            "outputCols": self.value("output_cols") or [f"{c}__output" for c in labels],
+            "run_id": run_id, "batch_size": self.value("batch_size"),
+            "loss": self.value("loss"),
+            **self._model_params(),
+        }
+        model._set(**{k: v for k, v in params.items() if v is not None})
         model._set_trained(result["model"], result["history"], result.get("output_shapes", []),
                            run_id)
+        model._set_extra(result)
         return model
 
     def _init_empty(self) -> None:
@@ -175,29 +295,32 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
 class HvdModel(Model, KeywordParams, PickledPersistence):
     """A trained model; ``transform`` adds prediction columns with batched inference."""
 
-    _param_specs = [s for s in SHARED_PARAMS if s[0] in MODEL_PARAMS]
+    _param_specs = MODEL_PARAMS
 
     def __init__(self) -> None:
         super().__init__()
         self.model_bytes = b""
-        self.history: list[dict] = []
+        self.records: list[dict] = []
         self.output_shapes: list[tuple[int, ...]] = []
-        self.run_id = ""
 
     def _set_trained(self, model_bytes: bytes, history: list[dict],
                      output_shapes: list, run_id: str) -> None:
         self.model_bytes = model_bytes
-        self.history = list(history)
+        self.records = [dict(h) for h in history]
         self.output_shapes = [tuple(s) for s in output_shapes]
-        self.run_id = run_id
+        self._set(run_id=run_id)
 
-    def getHistory(self) -> list[dict]:  # noqa: N802 - Spark ML naming
-        """Per-epoch metrics: ``[{"epoch": 1, "loss": ..., "val_loss": ...}, ...]``."""
-        return [dict(h) for h in self.history]
+    def _set_extra(self, result: dict) -> None:
+        """Framework-specific results of training (e.g. the optimizer's state)."""
+
+    def getHistory(self) -> Any:  # noqa: N802 - Spark ML naming
+        """Per-epoch metrics, in Horovod's shape for the framework."""
+        raise NotImplementedError
 
     def output_columns(self) -> list[str]:
         """Prediction column names: ``outputCols`` or ``<label>__output``."""
-        return self.value("outputCols") or [f"{c}__output" for c in self.value("labelCols")]
+        return (self.value("outputCols")
+                or [f"{c}__output" for c in self.value("label_columns") or []])
 
     def _predictor_factory(self) -> Callable[[bytes], Callable]:
         """Module-level function: model bytes -> ``predict(list of arrays) -> list of arrays``."""
@@ -205,8 +328,8 @@ class HvdModel(Model, KeywordParams, PickledPersistence):
 
     def _transform(self, df):
         return transform.predict_columns(
-            df, self.value("featureCols"), self.output_columns(), self.output_shapes,
-            self.model_bytes, self._predictor_factory(), self.value("batchSize"))
+            df, self.value("feature_columns"), self.output_columns(), self.output_shapes,
+            self.model_bytes, self._predictor_factory(), self.value("batch_size"))
 
     def _init_empty(self) -> None:
         HvdModel.__init__(self)
@@ -214,8 +337,8 @@ class HvdModel(Model, KeywordParams, PickledPersistence):
     def _persisted_blobs(self) -> dict[str, bytes]:
         import json
 
-        meta = {"history": self.history, "output_shapes": self.output_shapes,
-                "run_id": self.run_id}
+        meta = {"history": self.records, "output_shapes": self.output_shapes,
+                "run_id": self.getRunId()}
         return {"model.bin": self.model_bytes, "trained.json": json.dumps(meta).encode()}
 
     def _blob_names(self) -> list[str]:
@@ -229,11 +352,27 @@ class HvdModel(Model, KeywordParams, PickledPersistence):
                           meta["run_id"])
 
 
-def define(cls: type, extra_specs: list) -> type:
-    """Give an estimator class its Params (shared + framework extras) and accessors."""
-    cls._param_specs = SHARED_PARAMS + extra_specs
+def _stored_dataset(store: Store, dataset_idx: Any) -> DatasetSpec:
+    """The DatasetSpec of ``fit_on_parquet``'s ``dataset_idx`` (see there)."""
+    from hvd_spark.data import dataset_index, writer
+
+    if isinstance(dataset_idx, DatasetSpec):
+        return dataset_idx
+    if dataset_idx is not None:
+        return dataset_index.load_dataset_spec(store, dataset_idx)
+    path = posixpath.join(store.get_train_data_path(), writer.DATASET_SPEC_FILE)
+    if not store.exists(path):
+        raise ConfigError(
+            f"fit_on_parquet: no dataset at {store.get_train_data_path()}; write one with "
+            "hvd_spark.data.dataset_index.prepare_data(...) and pass dataset_idx=<its index>")
+    return DatasetSpec.from_json(store.read_bytes(path))
+
+
+def define(cls: type, extra_specs: list, base: list | None = None) -> type:
+    """Give a class its Params (shared + framework extras) and accessors."""
+    cls._param_specs = (SHARED_PARAMS if base is None else base) + extra_specs
     return define_params(cls, cls._param_specs)
 
 
 define_params(HvdEstimator, SHARED_PARAMS)
-define_params(HvdModel, HvdModel._param_specs)
+define_params(HvdModel, MODEL_PARAMS)

@@ -6,70 +6,124 @@ so the driver can build the estimator (and this module imports) without them.
 
 from __future__ import annotations
 
-import itertools
+import logging
+import math
 import os
 import pickle
-import tempfile
 from typing import Any
 
 import cloudpickle
-import numpy as np
 
-from hvd_spark._env import LOCAL_RANK
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator import history as hist
-from hvd_spark.estimator.base import HvdEstimator, HvdModel, define
-from hvd_spark.estimator.train_spec import TrainSpec, make_readers
+from hvd_spark.estimator.base import MODEL_PARAMS, HvdEstimator, HvdModel, define
+from hvd_spark.estimator.keras_worker import (  # noqa: F401 - place_keras re-exported
+    keras_predictor,
+    model_from_bytes,
+    model_to_bytes,
+    place_keras,
+    train_keras,
+)
+from hvd_spark.estimator.params import keyword_only_params
+
+log = logging.getLogger("hvd_spark.estimator")
 
 KERAS_PARAMS = [
-    ("customObjects", "custom_objects needed to load the model", None, None),
+    ("custom_objects", "custom_objects needed to load the model", None, None),
+    ("checkpoint_callback", "a keras ModelCheckpoint deciding which epoch's weights the "
+     "fitted model gets (e.g. save_best_only=True)", None, None),
+    ("backend_env", "environment variables added to every rank's", None, None),
 ]
 
-
-def model_to_bytes(model: Any) -> bytes:
-    """A Keras model as the bytes of a ``.keras`` file."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.keras")
-        model.save(path)
-        with open(path, "rb") as f:
-            return f.read()
-
-
-def model_from_bytes(data: bytes, custom_objects: dict | None = None) -> Any:
-    """Inverse of ``model_to_bytes`` (uncompiled)."""
-    import keras
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.keras")
-        with open(path, "wb") as f:
-            f.write(data)
-        return keras.models.load_model(path, custom_objects=custom_objects, compile=False)
+KERAS_MODEL_PARAMS = [
+    ("custom_objects", "custom_objects needed to load the model", None, None),
+]
 
 
 class KerasModel(HvdModel):
     """A KerasEstimator's trained model; ``transform`` adds ``<label>__output`` columns."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.optimizer_config: Any = None
+        self._keras_model: Any = None
+
     def _predictor_factory(self):
         return keras_predictor
 
+    def _set_extra(self, result: dict) -> None:
+        self.optimizer_config = result.get("optimizer")
+
     def getModel(self):  # noqa: N802 - Spark ML naming
-        """The trained Keras model (uncompiled)."""
-        return model_from_bytes(pickle.loads(self.model_bytes)["model"])
+        """The trained Keras model (uncompiled); the same object every call."""
+        if self._keras_model is None:
+            saved = pickle.loads(self.model_bytes)
+            self._keras_model = model_from_bytes(saved["model"], saved.get("custom_objects"))
+        return self._keras_model
+
+    def getOptimizer(self):  # noqa: N802 - Spark ML naming
+        """A new optimizer with the trained one's configuration (not its slot variables)."""
+        import keras
+
+        if self.optimizer_config is None:
+            return None
+        return keras.optimizers.deserialize(pickle.loads(self.optimizer_config))
+
+    def getHistory(self) -> dict[str, list]:  # noqa: N802 - Spark ML naming
+        """Horovod's Keras history (Keras' ``History.history``): metric -> one value per
+        epoch, e.g. ``history["val_loss"][-1]``."""
+        keys = [k for r in self.records for k in r if k != "epoch"]
+        return {k: [r.get(k) for r in self.records] for k in dict.fromkeys(keys)}
+
+    def _persisted_blobs(self) -> dict[str, bytes]:
+        return {**super()._persisted_blobs(), "optimizer.bin": self.optimizer_config or b""}
+
+    def _blob_names(self) -> list[str]:
+        return [*super()._blob_names(), "optimizer.bin"]
+
+    def _restore_blobs(self, blobs: dict[str, bytes]) -> None:
+        super()._restore_blobs(blobs)
+        self.optimizer_config = blobs["optimizer.bin"] or None
+
+    def _init_empty(self) -> None:
+        KerasModel.__init__(self)
 
 
 class KerasEstimator(HvdEstimator):
     """Spark ML Estimator training a Keras 3 model with hvd_spark's DistributedOptimizer.
 
-    Keywords are Horovod's: ``num_proc, model, optimizer, loss, metrics, feature_cols,
-    label_cols, batch_size, val_batch_size, epochs, validation, callbacks, store, run_id,
-    shuffle, random_seed, verbose, sample_weight_col, train_steps_per_epoch,
-    validation_steps_per_epoch, partitions_per_process, gradient_compression,
-    backward_passes_per_step, use_gpu, custom_objects`` and ``output_cols``.
+    Parameters are Horovod's ``horovod.spark.keras.KerasEstimator``'s, with its meaning,
+    plus ``output_cols`` (see the README, "Porting from Horovod: Spark"):
 
-    The learning rate is used as given (not scaled by the number of ranks). Every rank
-    starts from rank 0's weights (BroadcastGlobalVariablesCallback) and epoch metrics
-    are averaged over ranks (MetricAverageCallback).
+    - Feature columns are reshaped to the model's input shapes and labels to
+      ``label_shapes`` (default: the model's output shapes) when they hold as many
+      values per row: a flat 784-value Vector feeds a ``(28, 28, 1)`` input, and
+      one-hot (Sparse)Vector labels feed a softmax output.
+    - The learning rate is used as given (Horovod multiplies it by ``num_proc``).
+    - Every rank starts from rank 0's weights (BroadcastGlobalVariablesCallback) and
+      epoch metrics are averaged over ranks (MetricAverageCallback).
+    - A TensorBoard callback runs on rank 0 only; its logs go to the store's logs path
+      of the run (``store.get_logs_path(run_id)``), as in Horovod.
+    - ``use_gpu`` (default True) trains on a GPU when the rank has one, else on the CPU.
     """
+
+    @keyword_only_params
+    def __init__(self, num_proc=None, data_module=None, model=None, backend=None, store=None,
+                 custom_objects=None, optimizer=None, loss=None, loss_weights=None,
+                 sample_weight_col=None, gradient_compression=None, metrics=None,
+                 feature_cols=None, label_cols=None, continuous_cols=None,
+                 categorical_cols=None, validation=None, callbacks=None, batch_size=None,
+                 val_batch_size=None, epochs=None, verbose=None, random_seed=None,
+                 shuffle_buffer_size=None, shuffle=True, partitions_per_process=None,
+                 run_id=None, train_steps_per_epoch=None, validation_steps_per_epoch=None,
+                 transformation_fn=None, train_reader_num_workers=None,
+                 val_reader_num_workers=None, reader_pool_type="thread", label_shapes=None,
+                 checkpoint_callback=None, inmemory_cache_all=False, backend_env=None,
+                 use_gpu=True, mp_start_method=None, tensorflow_dataset_prefetch_buffer_size=0,
+                 backward_passes_per_step=1, compress_sparse_cols=False,
+                 transformation_edit_fields=None, transformation_removed_fields=None,
+                 output_cols=None):
+        super().__init__()
+        self.setParams(**self._input_kwargs)
 
     def _model_class(self):
         return KerasModel
@@ -85,6 +139,27 @@ class KerasEstimator(HvdEstimator):
                               f"{type(self.value('optimizer')).__name__}")
         if self.value("loss") is None:
             raise ConfigError("KerasEstimator needs loss=... (a name or a keras loss)")
+        ckpt = self.value("checkpoint_callback")
+        if ckpt is not None and not isinstance(ckpt, keras.callbacks.ModelCheckpoint):
+            raise ConfigError(f"checkpoint_callback must be a keras.callbacks.ModelCheckpoint, "
+                              f"got {type(ckpt).__name__}")
+        env = self.value("backend_env")
+        if env is not None and not (isinstance(env, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+            raise ConfigError(f"backend_env must be a dict of str to str, got {env!r}")
+
+    def _check_dataset(self, dataset) -> None:
+        model = self.value("model")
+        for col, tensor in zip(self.value("feature_cols"), model.inputs):
+            dims = tuple(tensor.shape[1:])
+            size = math.prod(dataset.column(col).shape)
+            if None not in dims and math.prod(dims) != size:
+                raise ConfigError(
+                    f"feature column {col!r} holds {size} values per row but the model input "
+                    f"{tensor.name!r} has shape {dims} ({math.prod(dims)} values)")
+
+    def _model_params(self) -> dict:
+        return {"custom_objects": self.value("custom_objects")}
 
     def _payload(self) -> dict:
         import keras
@@ -95,7 +170,9 @@ class KerasEstimator(HvdEstimator):
             "loss": cloudpickle.dumps(self.value("loss")),
             "metrics": cloudpickle.dumps(self.value("metrics") or []),
             "callbacks": cloudpickle.dumps(self.value("callbacks") or []),
-            "custom_objects": cloudpickle.dumps(self.value("customObjects") or {}),
+            "custom_objects": cloudpickle.dumps(self.value("custom_objects") or {}),
+            "loss_weights": self.value("loss_weights"),
+            "checkpoint_callback": cloudpickle.dumps(self.value("checkpoint_callback")),
         }
 
     def _worker(self):
@@ -103,135 +180,11 @@ class KerasEstimator(HvdEstimator):
 
     def _worker_env(self) -> dict[str, str]:
         # TensorFlow's C++ start-up chatter would otherwise fill every rank's output.
-        return {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+        return {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+                **(self.value("backend_env") or {})}
 
 
 define(KerasEstimator, KERAS_PARAMS)
-
-
-def _xy(batch: dict, ds) -> tuple:
-    def pick(cols):
-        arrays = [np.asarray(batch[c], np.float32) if batch[c].dtype.kind == "f"
-                  else np.asarray(batch[c]) for c in cols]
-        return arrays[0] if len(arrays) == 1 else arrays
-
-    out = (pick(ds.feature_cols), pick(ds.label_cols))
-    if ds.sample_weight_col:
-        out += (np.asarray(batch[ds.sample_weight_col], np.float32),)
-    return out
-
-
-def _forever(reader, ds, start_epoch: int):
-    """Batches of every epoch in turn (Keras pulls steps_per_epoch of them per epoch)."""
-    for epoch in itertools.count(start_epoch):
-        for batch in reader.epoch(epoch):
-            yield _xy(batch, ds)
-
-
-def _optimizer_state(optimizer) -> bytes:
-    return pickle.dumps([np.asarray(v) for v in optimizer.variables])
-
-
-def place_keras(use_gpu: bool, local_rank: int, tf: Any) -> None:
-    """Show TensorFlow one GPU (``local_rank % count``) with ``use_gpu``, else none.
-
-    Must run before TensorFlow initializes its devices. A CPU run hides the GPUs so it
-    does not take the memory of GPUs that other work on the executor may hold.
-    """
-    gpus = tf.config.list_physical_devices("GPU")
-    if not use_gpu:
-        tf.config.set_visible_devices([], "GPU")
-        return
-    if not gpus:
-        raise ConfigError(
-            "use_gpu=True, but TensorFlow sees no GPU on this rank (CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}; tensorflow-cpu has no GPU support). "
-            "Install a GPU build of TensorFlow on the executors, or pass use_gpu=False"
-        )
-    gpu = gpus[local_rank % len(gpus)]
-    tf.config.set_visible_devices([gpu], "GPU")
-    tf.config.experimental.set_memory_growth(gpu, True)
-
-
-def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
-    """Runs on every rank: model.fit with the distributed optimizer and callbacks."""
-    import keras
-    import tensorflow as tf
-
-    import hvd_spark.tensorflow as hvd
-
-    place_keras(spec.use_gpu, int(os.environ.get(LOCAL_RANK, "0")), tf)
-    hvd.init()
-    keras.utils.set_random_seed(spec.seed)
-    ds = spec.dataset
-    custom = cloudpickle.loads(payload["custom_objects"])
-    model = model_from_bytes(payload["model"], custom)
-    optimizer = keras.optimizers.deserialize(payload["optimizer"])
-    history: list[dict] = []
-    resume = spec.store.latest_checkpoint(spec.run_id) if spec.start_epoch > 0 else None
-    if resume is not None:
-        saved = pickle.loads(resume[1])
-        model.set_weights(saved["weights"])
-        history = saved["history"]
-    dist_opt = hvd.DistributedOptimizer(
-        optimizer, compression=spec.compression or hvd.Compression.none,
-        backward_passes_per_step=spec.backward_passes_per_step)
-    model.compile(optimizer=dist_opt, loss=cloudpickle.loads(payload["loss"]),
-                  metrics=cloudpickle.loads(payload["metrics"]))
-    if resume is not None and saved["optimizer"]:
-        dist_opt.build(model.trainable_variables)
-        for var, value in zip(dist_opt.variables, pickle.loads(saved["optimizer"])):
-            var.assign(value)
-    reader, val_reader = make_readers(spec, hvd.rank(), hvd.size())
-    fit_kwargs: dict[str, Any] = {}
-    if val_reader is not None:
-        fit_kwargs = {"validation_data": _forever(val_reader, ds, 0),
-                      "validation_steps": val_reader.steps_per_epoch}
-
-    class EpochEnd(keras.callbacks.Callback):
-        """Rank 0 records, reports and checkpoints every epoch (after metric averaging)."""
-
-        def on_epoch_end(self, epoch, logs=None):
-            record = {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items()}}
-            history.append(record)
-            if hvd.rank() == 0:
-                hist.report(record, spec.epochs, spec.verbose)
-                state = {"weights": self.model.get_weights(), "history": history,
-                         "optimizer": _optimizer_state(dist_opt)}
-                spec.store.save_checkpoint(spec.run_id, epoch, pickle.dumps(state))
-
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-                 hvd.callbacks.MetricAverageCallback(),
-                 *cloudpickle.loads(payload["callbacks"]), EpochEnd()]
-    if spec.start_epoch < spec.epochs:
-        model.fit(_forever(reader, ds, spec.start_epoch), epochs=spec.epochs,
-                  initial_epoch=spec.start_epoch, steps_per_epoch=reader.steps_per_epoch,
-                  callbacks=callbacks, verbose=0, shuffle=False, **fit_kwargs)
-    if hvd.rank() != 0:
-        return None
-    clean = keras.models.clone_model(model)  # without the distributed optimizer attached
-    clean.set_weights(model.get_weights())
-    sample_x = _xy(next(iter(reader.epoch(0))), ds)[0]
-    outs = clean(sample_x, training=False)
-    outs = outs if isinstance(outs, (list, tuple)) else [outs]
-    data = pickle.dumps({"model": model_to_bytes(clean), "custom_objects": custom})
-    return {"model": data, "history": history,
-            "output_shapes": [tuple(np.asarray(o).shape[1:]) for o in outs]}
-
-
-def keras_predictor(model_bytes: bytes):
-    """Model bytes -> ``predict(list of numpy inputs) -> list of numpy outputs``."""
-    saved = pickle.loads(model_bytes)
-    model = model_from_bytes(saved["model"], saved.get("custom_objects"))
-
-    def predict(arrays: list[Any]) -> list:
-        inputs = [np.asarray(a, np.float32) if np.asarray(a).dtype.kind == "f" else a
-                  for a in arrays]
-        outs = model(inputs[0] if len(inputs) == 1 else inputs, training=False)
-        outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        return [np.asarray(o) for o in outs]
-
-    return predict
-
+define(KerasModel, KERAS_MODEL_PARAMS, base=MODEL_PARAMS)
 
 __all__ = ["KerasEstimator", "KerasModel"]

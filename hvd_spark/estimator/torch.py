@@ -7,47 +7,165 @@ torch is imported only inside functions, so the driver can build the estimator
 
 from __future__ import annotations
 
+import io
+import math
+from typing import Any
+
 import cloudpickle
 
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator.base import HvdEstimator, HvdModel, define
-from hvd_spark.estimator.torch_worker import torch_predictor, train_torch
+from hvd_spark.estimator.base import MODEL_PARAMS, HvdEstimator, HvdModel, define
+from hvd_spark.estimator.params import keyword_only_params
+from hvd_spark.estimator.torch_worker import metric_groups, torch_predictor, train_torch
+from hvd_spark.estimator.train_spec import batch_shape
 
 TORCH_PARAMS = [
-    ("inputShapes", "shape of each feature input per row, e.g. [[1, 8, 8]]", None, None),
-    ("lossConstructors", "callables returning the loss function(s)", None, None),
+    ("input_shapes", "shape of each feature input, Horovod's [-1, ...] or one row's", None,
+     None),
+    ("loss_constructors", "callables returning the loss function(s)", None, None),
+    ("train_minibatch_fn", "callable returning Horovod's train_minibatch(model, optimizer, "
+     "transform_outputs, loss_fn, inputs, labels, sample_weights, backward_passes_per_step, "
+     "batch_idx) -> (outputs, loss)", None, None),
+]
+
+TORCH_MODEL_PARAMS = [
+    ("input_shapes", "shape of each feature input (with the -1 batch dimension)", None, None),
+    ("loss_constructors", "callables returning the loss function(s)", None, None),
 ]
 
 
 class TorchModel(HvdModel):
-    """A TorchEstimator's trained model; ``transform`` adds ``<label>__output`` columns."""
+    """A TorchEstimator's trained model; ``transform`` adds ``<label>__output`` columns.
+
+    ``getModel()`` is the trained module (CPU, eval mode) and ``getOptimizer()`` an
+    optimizer over its parameters holding the trained state and every param group.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.optimizer_bytes = b""
+        self._module: Any = None
 
     def _predictor_factory(self):
         return torch_predictor
 
+    def _set_extra(self, result: dict) -> None:
+        self.optimizer_bytes = result.get("optimizer", b"")
+
     def getModel(self):  # noqa: N802 - Spark ML naming
-        """The trained torch module (on CPU, in eval mode)."""
-        return cloudpickle.loads(self.model_bytes)["model"]
+        """The trained torch module (on CPU, in eval mode); the same object every call."""
+        if self._module is None:
+            self._module = cloudpickle.loads(self.model_bytes)["model"]
+        return self._module
+
+    def getOptimizer(self):  # noqa: N802 - Spark ML naming
+        """A new optimizer of the user's class over ``getModel()``'s parameters, with the
+        trained state and the param groups as trained."""
+        import torch
+
+        if not self.optimizer_bytes:
+            return None
+        saved = torch.load(io.BytesIO(self.optimizer_bytes), map_location="cpu",
+                           weights_only=False)
+        named = dict(self.getModel().named_parameters())
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [named[n] for n in names]}
+                  for g, names in zip(saved["state"]["param_groups"], saved["group_names"])]
+        try:
+            optimizer = saved["cls"](groups, **saved["defaults"])
+        except TypeError:  # a custom class whose constructor takes other keywords
+            optimizer = saved["cls"](groups)
+        optimizer.load_state_dict(saved["state"])
+        return optimizer
+
+    def getHistory(self) -> list[dict]:  # noqa: N802 - Spark ML naming
+        """Horovod's torch history: one dict per epoch, ``{"epoch": 0, "train": {"loss":
+        ..., "all_metrics": [{"group_0_<label>": ...}]}, "validation": {...}}``."""
+        out = []
+        for record in self.records:
+            entry: dict[str, Any] = {"epoch": record["epoch"] - 1}
+            for stage, prefix in (("train", ""), ("validation", "val_")):
+                values = {k[len(prefix):]: v for k, v in record.items()
+                          if k != "epoch" and k.startswith(prefix)
+                          and (prefix or not k.startswith("val_"))}
+                if not values:
+                    continue
+                groups: dict[int, dict[str, float]] = {}
+                for name, value in values.items():
+                    if name.startswith("group_"):
+                        groups.setdefault(int(name.split("_")[1]), {})[name] = value
+                entry[stage] = {"loss": values.get("loss"),
+                                "all_metrics": [groups[i] for i in sorted(groups)]}
+            out.append(entry)
+        return out
+
+    def _persisted_blobs(self) -> dict[str, bytes]:
+        return {**super()._persisted_blobs(), "optimizer.bin": self.optimizer_bytes}
+
+    def _blob_names(self) -> list[str]:
+        return [*super()._blob_names(), "optimizer.bin"]
+
+    def _restore_blobs(self, blobs: dict[str, bytes]) -> None:
+        super()._restore_blobs(blobs)
+        self.optimizer_bytes = blobs["optimizer.bin"]
+
+    def _init_empty(self) -> None:
+        TorchModel.__init__(self)
 
 
 class TorchEstimator(HvdEstimator):
     """Spark ML Estimator training a torch model with hvd_spark's DistributedOptimizer.
 
-    Keywords are Horovod's: ``num_proc, model, optimizer, loss, loss_constructors,
-    metrics, feature_cols, label_cols, input_shapes, batch_size, val_batch_size, epochs,
-    validation, store, run_id, shuffle, random_seed, verbose, sample_weight_col,
-    train_steps_per_epoch, validation_steps_per_epoch, partitions_per_process,
-    gradient_compression, backward_passes_per_step, use_gpu`` and ``output_cols``.
+    Parameters are Horovod's ``horovod.spark.torch.TorchEstimator``'s, with its meaning,
+    plus ``output_cols``; see ``help(TorchEstimator.__init__)``'s signature and the
+    README ("Porting from Horovod: Spark") for what differs:
 
-    The optimizer is re-created on every rank from its class and ``defaults`` bound to
-    that rank's copy of the model; its learning rate is used as given (not scaled by
-    the number of ranks: scale it yourself if you want the Horovod convention).
-    With ``sample_weight_col``, the loss must return per-row values
-    (``reduction="none"``); they are weighted and averaged.
+    - ``input_shapes`` may have Horovod's leading -1 batch dimension (``[[-1, 1, 28,
+      28]]``) or be the shape of one row (``[[1, 28, 28]]``).
+    - The optimizer is used as given: every param group and its settings, mapped onto
+      each rank's copy of the model; it must be built over the model's parameters.
+      Its learning rate is not scaled by the number of ranks (Horovod multiplies it
+      by ``num_proc``): scale it yourself for Horovod's convention.
+    - With ``sample_weight_col``, a loss module must return per-row values
+      (``reduction="none"``); a loss function is called with ``reduction="none"``.
+    - ``use_gpu`` (default True) trains on a GPU when the rank has one, else on the CPU.
     """
+
+    @keyword_only_params
+    def __init__(self, num_proc=None, data_module=None, model=None, backend=None, store=None,
+                 optimizer=None, loss=None, loss_constructors=None, metrics=None,
+                 loss_weights=None, sample_weight_col=None, gradient_compression=None,
+                 feature_cols=None, continuous_cols=None, categorical_cols=None,
+                 input_shapes=None, validation=None, label_cols=None, callbacks=None,
+                 batch_size=None, val_batch_size=None, epochs=None, verbose=1,
+                 random_seed=None, shuffle_buffer_size=None, shuffle=True,
+                 partitions_per_process=None, run_id=None, train_minibatch_fn=None,
+                 train_steps_per_epoch=None, validation_steps_per_epoch=None,
+                 transformation_fn=None, train_reader_num_workers=None,
+                 val_reader_num_workers=None, reader_pool_type="thread", label_shapes=None,
+                 inmemory_cache_all=False, use_gpu=True, mp_start_method=None,
+                 backward_passes_per_step=1, compress_sparse_cols=False,
+                 transformation_edit_fields=None, transformation_removed_fields=None,
+                 tensorflow_dataset_prefetch_buffer_size=0, output_cols=None):
+        super().__init__()
+        self.setParams(**self._input_kwargs)
 
     def _model_class(self):
         return TorchModel
+
+    def _model_params(self) -> dict:
+        return {"input_shapes": self._input_shapes(),
+                "loss_constructors": self.value("loss_constructors")}
+
+    def _input_shapes(self) -> list[tuple[int, ...]] | None:
+        shapes = self.value("input_shapes")
+        if shapes is None:
+            return None
+        features = self.value("feature_cols") or []
+        if not isinstance(shapes, (list, tuple)) or len(shapes) != len(features):
+            raise ConfigError(f"input_shapes must hold one shape per feature column "
+                              f"({len(features)}), got {shapes!r}")
+        return [batch_shape(s, "input_shapes") for s in shapes]
 
     def _check_framework(self) -> None:
         import torch
@@ -58,19 +176,45 @@ class TorchEstimator(HvdEstimator):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if self.value("loss") is None and self.value("lossConstructors") is None:
-            raise ConfigError("TorchEstimator needs loss=... or loss_constructors=[...]")
+        own = {id(p) for p in model.parameters()}
+        if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+            raise ConfigError("optimizer holds parameters that are not the model's: build it "
+                              "over this model's parameters (e.g. model.parameters())")
+        has_loss = self.value("loss") is not None
+        has_makers = self.value("loss_constructors") is not None
+        if has_loss == has_makers:
+            raise ConfigError("TorchEstimator needs exactly one of loss=... and "
+                              "loss_constructors=[...]")
+        weights, labels = self.value("loss_weights"), self.value("label_cols")
+        if weights is not None and len(weights) != len(labels):
+            raise ConfigError(f"loss_weights must hold one weight per label column "
+                              f"({len(labels)}), got {weights}")
+        for fns in metric_groups(self.value("metrics")):
+            if not all(callable(fn) for fn in fns):
+                raise ConfigError("metrics must be functions (output, label) -> value, or "
+                                  "lists of them (one per label column)")
+        fn = self.value("train_minibatch_fn")
+        if fn is not None and not callable(fn):
+            raise ConfigError("train_minibatch_fn must be a function returning the "
+                              "train_minibatch function, as in Horovod")
+        self._input_shapes()
+
+    def _check_dataset(self, dataset) -> None:
+        shapes = self.value("input_shapes")
+        for col, shape in zip(self.value("feature_cols"), shapes or []):
+            size = math.prod(dataset.column(col).shape)
+            batch_shape(shape, f"input_shapes (column {col!r})", size)
 
     def _payload(self) -> dict:
-        optimizer = self.value("optimizer")
         return {
-            "model": cloudpickle.dumps(self.value("model")),
-            "optimizer_cls": type(optimizer),
-            "optimizer_defaults": dict(optimizer.defaults),
+            "model_and_optimizer": cloudpickle.dumps(
+                (self.value("model"), self.value("optimizer"))),
             "loss": self.value("loss"),
-            "loss_constructors": self.value("lossConstructors"),
+            "loss_constructors": self.value("loss_constructors"),
+            "loss_weights": self.value("loss_weights"),
             "metrics": self.value("metrics") or [],
-            "input_shapes": self.value("inputShapes"),
+            "input_shapes": self._input_shapes(),
+            "train_minibatch_fn": self.value("train_minibatch_fn"),
         }
 
     def _worker(self):
@@ -78,3 +222,4 @@ class TorchEstimator(HvdEstimator):
 
 
 define(TorchEstimator, TORCH_PARAMS)
+define(TorchModel, TORCH_MODEL_PARAMS, base=MODEL_PARAMS)

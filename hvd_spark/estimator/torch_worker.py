@@ -1,38 +1,44 @@
 """The TorchEstimator's worker side: the training loop every rank runs, and the predictor.
 
 No pyspark here: this runs in the ranks' processes (and under ``hvdrun``). With
-``use_gpu`` each rank trains on one CUDA device: the only one its Spark task was
-given (``CUDA_VISIBLE_DEVICES``), or ``local_rank % device_count`` when it sees
-several. Gradients are still reduced on the CPU by the TCP ring (the engine stages
-CUDA tensors through host memory); the saved model is moved to the CPU, so
-``transform`` needs no GPU.
+``use_gpu`` (the default) each rank trains on one CUDA device when torch sees one:
+the only one its Spark task was given (``CUDA_VISIBLE_DEVICES``), or
+``local_rank % device_count`` when it sees several; otherwise on the CPU. Gradients
+are still reduced on the CPU by the TCP ring (the engine stages CUDA tensors through
+host memory); the saved model is moved to the CPU, so ``transform`` needs no GPU.
+
+The loop follows Horovod's: losses weighted by ``loss_weights`` (default
+``1/len(label_cols)`` each), labels reshaped to ``label_shapes`` or to the output's
+shape when they hold as many values, per-row weights multiplied into the per-row
+losses before the mean, the loss divided by ``backward_passes_per_step`` when
+accumulating, and metrics in groups named ``group_<i>_<label column>``.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 import numpy as np
 
-from hvd_spark.errors import ConfigError
 from hvd_spark.estimator import history as hist
-from hvd_spark.estimator.train_spec import TrainSpec, make_readers
+from hvd_spark.estimator.train_spec import TrainSpec, make_readers, set_start_method
+
+log = logging.getLogger("hvd_spark.estimator")
 
 
 def training_device(use_gpu: bool, local_rank: int, torch: Any) -> Any:
-    """The torch device this rank trains on; ConfigError when a GPU is asked for but absent."""
-    if not use_gpu:
+    """This rank's device: its GPU when ``use_gpu`` and torch sees one, else the CPU."""
+    if not use_gpu or not torch.cuda.is_available():
+        if use_gpu and local_rank == 0:
+            log.info("use_gpu=True but torch sees no CUDA device (torch %s, CUDA_VISIBLE_DEVICES"
+                     "=%r): training on the CPU", torch.__version__,
+                     os.environ.get("CUDA_VISIBLE_DEVICES"))
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"use_gpu=True, but torch sees no CUDA device on this rank (torch "
-            f"{torch.__version__}, built for CUDA {torch.version.cuda}; CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Install a CUDA build of torch on "
-            "the executors, or pass use_gpu=False"
-        )
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
@@ -43,6 +49,16 @@ def _losses(payload: dict) -> list:
         return [make() for make in payload["loss_constructors"]]
     loss = payload["loss"]
     return list(loss) if isinstance(loss, (list, tuple)) else [loss]
+
+
+def metric_groups(metrics: Any) -> list[list[Callable]]:
+    """Horovod's metric groups: each entry is one function (for every output) or a list
+    of one function per output; a single function is one group."""
+    if metrics is None:
+        return []
+    if callable(metrics):
+        return [[metrics]]
+    return [list(m) if isinstance(m, (list, tuple)) else [m] for m in metrics]
 
 
 def _tensor(values: np.ndarray, torch: Any, device: Any = None) -> Any:
@@ -63,7 +79,7 @@ def _inputs(batch: dict, cols, shapes, torch, device: Any = None) -> list:
         if t.is_floating_point():
             t = t.float()
         if shapes:
-            t = t.reshape(-1, *shapes[i])
+            t = t.reshape(shapes[i])  # batch shapes: (-1, *row shape)
         out.append(t)
     return out
 
@@ -72,33 +88,98 @@ def _as_tuple(outputs) -> tuple:
     return tuple(outputs) if isinstance(outputs, (list, tuple)) else (outputs,)
 
 
-def _batch_loss(outputs, labels, losses, weights, torch):
-    total = 0.0
-    for out, label, fn in zip(outputs, labels, losses):
-        if not label.is_floating_point() and out.is_floating_point() and out.dim() == label.dim():
-            label = label.float()
-        if label.dim() == 1 and out.dim() == 2 and out.shape[1] == 1 and label.is_floating_point():
-            label = label.reshape(-1, 1)
-        value = fn(out, label)
-        if weights is not None:
-            value = (value.reshape(-1) * weights).sum() / weights.sum()
-        total = total + value
-    return total
+def make_transform_outputs(label_shapes: list | None) -> Callable:
+    """Horovod's ``transform_outputs(outputs, labels) -> (outputs, labels)``."""
+
+    def transform_outputs(outputs, labels):
+        outputs = list(_as_tuple(outputs))
+        if label_shapes:
+            labels = [label.reshape(shape) for label, shape in zip(labels, label_shapes)]
+        else:
+            labels = [label.reshape(out.shape) if out.numel() == label.numel() else label
+                      for label, out in zip(labels, outputs)]
+        labels = [label.float() if (out.is_floating_point() and not label.is_floating_point()
+                                    and out.shape == label.shape) else label
+                  for label, out in zip(labels, outputs)]
+        return outputs, labels
+
+    return transform_outputs
+
+
+def make_loss_fn(losses: list, loss_weights: list[float]) -> Callable:
+    """``loss_fn(outputs, labels, sample_weights) -> loss`` as Horovod computes it."""
+
+    def per_row(fn, out, label):
+        import torch
+
+        if isinstance(fn, torch.nn.Module):
+            return fn(out, label)  # must have been built with reduction="none"
+        return fn(out, label, reduction="none")
+
+    def loss_fn(outputs, labels, sample_weights=None):
+        total = 0.0
+        for out, label, fn, weight in zip(outputs, labels, losses, loss_weights):
+            if sample_weights is None:
+                value = fn(out, label)
+            else:
+                value = (per_row(fn, out, label).reshape(-1) * sample_weights).mean()
+            total = total + value * weight
+        return total
+
+    return loss_fn
+
+
+def default_minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels,
+                      sample_weights, backward_passes_per_step, batch_idx):
+    """One training step; Horovod's ``train_minibatch`` signature, stepping the optimizer
+    every ``backward_passes_per_step`` batches."""
+    outputs, labels = transform_outputs(model(*inputs), labels)
+    loss = loss_fn(outputs, labels, sample_weights)
+    scaled = loss / backward_passes_per_step if backward_passes_per_step > 1 else loss
+    scaled.backward()
+    if (batch_idx + 1) % backward_passes_per_step == 0:
+        optimizer.step()
+        optimizer.zero_grad()
+    return outputs, loss
+
+
+def _move_optimizer_state(optimizer) -> None:
+    # load_state_dict casts the state (momentum, ...) to each parameter's device.
+    optimizer.load_state_dict(optimizer.state_dict())
+
+
+def optimizer_record(model, optimizer, torch) -> bytes:
+    """The optimizer as bytes that ``TorchModel.getOptimizer`` maps onto a model copy."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    buf = io.BytesIO()
+    torch.save({"cls": type(optimizer), "defaults": dict(optimizer.defaults),
+                "state": optimizer.state_dict(),
+                "group_names": [[names[id(p)] for p in g["params"]]
+                                for g in optimizer.param_groups]}, buf)
+    return buf.getvalue()
 
 
 def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     """Runs on every rank: the training loop of TorchEstimator."""
+    set_start_method(spec.mp_start_method)
     import torch
 
     import hvd_spark.torch as hvd
 
     hvd.init()
-    torch.manual_seed(spec.seed)
+    if spec.framework_seed is not None:
+        torch.manual_seed(spec.framework_seed)
     ds = spec.dataset
     device = training_device(spec.use_gpu, hvd.local_rank(), torch)
-    model = cloudpickle.loads(payload["model"]).to(device)
-    optimizer = payload["optimizer_cls"](model.parameters(), **payload["optimizer_defaults"])
-    losses, metrics = _losses(payload), list(payload["metrics"])
+    # Unpickled together, the optimizer's param groups refer to this copy's parameters.
+    model, optimizer = cloudpickle.loads(payload["model_and_optimizer"])
+    model.to(device)
+    losses = _losses(payload)
+    weights = payload["loss_weights"] or [1.0 / len(ds.label_cols)] * len(ds.label_cols)
+    loss_fn = make_loss_fn(losses, weights)
+    groups = metric_groups(payload["metrics"])
+    transform_outputs = make_transform_outputs(spec.label_shapes)
+    minibatch = payload["train_minibatch_fn"]() if payload["train_minibatch_fn"] else None
     shapes = payload["input_shapes"]
     history: list[dict] = []
     if spec.start_epoch > 0:
@@ -108,6 +189,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             history = state["history"]
+    _move_optimizer_state(optimizer)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     dist_opt = hvd.DistributedOptimizer(
@@ -116,33 +198,53 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
         backward_passes_per_step=spec.backward_passes_per_step)
     reader, val_reader = make_readers(spec, hvd.rank(), hvd.size())
 
-    def run_epoch(source, epoch, train: bool) -> dict:
+    def prepare(batch):
+        inputs = _inputs(batch, ds.feature_cols, shapes, torch, device)
+        labels = [_tensor(batch[c], torch, device) for c in ds.label_cols]
+        labels = [t.float() if t.is_floating_point() else t for t in labels]
+        row_weights = (_tensor(batch[ds.sample_weight_col], torch, device).float()
+                       if ds.sample_weight_col else None)
+        return inputs, labels, row_weights
+
+    def add_metrics(sums, outputs, labels):
+        for g, fns in enumerate(groups):
+            fns = fns * len(outputs) if len(fns) == 1 else fns
+            for fn, out, label, col in zip(fns, outputs, labels, ds.label_cols):
+                hist.accumulate(sums, f"group_{g}_{col}", float(fn(out, label)))
+
+    def train_epoch(epoch) -> dict:
         sums: dict[str, float] = {}
+        model.train()
         steps = 0
-        model.train(train)
-        with torch.set_grad_enabled(train):
-            for step, batch in enumerate(source.epoch(epoch)):
-                inputs = _inputs(batch, ds.feature_cols, shapes, torch, device)
-                labels = [_tensor(batch[c], torch, device) for c in ds.label_cols]
-                weights = (_tensor(batch[ds.sample_weight_col], torch, device).float()
-                           if ds.sample_weight_col else None)
-                outputs = _as_tuple(model(*inputs))
-                loss = _batch_loss(outputs, labels, losses, weights, torch)
-                if train:
-                    loss.backward()
-                    if (step + 1) % spec.backward_passes_per_step == 0:
-                        dist_opt.step()
-                        dist_opt.zero_grad()
-                hist.accumulate(sums, "loss", float(loss.detach()))
-                for fn in metrics:
-                    hist.accumulate(sums, hist.metric_name(fn), float(fn(outputs[0], labels[0])))
+        for step, batch in enumerate(reader.epoch(epoch)):
+            inputs, labels, row_weights = prepare(batch)
+            run = minibatch or default_minibatch
+            outputs, loss = run(model, dist_opt, transform_outputs, loss_fn, inputs, labels,
+                                row_weights, spec.backward_passes_per_step, step)
+            outputs, labels = transform_outputs(outputs, labels)
+            hist.accumulate(sums, "loss", float(loss.detach()))
+            with torch.no_grad():
+                add_metrics(sums, outputs, labels)
+            steps += 1
+        return {k: v / max(steps, 1) for k, v in sums.items()}
+
+    def val_epoch(epoch) -> dict:
+        sums: dict[str, float] = {}
+        model.eval()
+        steps = 0
+        with torch.no_grad():
+            for batch in val_reader.epoch(epoch):
+                inputs, labels, row_weights = prepare(batch)
+                outputs, labels = transform_outputs(model(*inputs), labels)
+                hist.accumulate(sums, "loss", float(loss_fn(outputs, labels, row_weights)))
+                add_metrics(sums, outputs, labels)
                 steps += 1
         return {k: v / max(steps, 1) for k, v in sums.items()}
 
     for epoch in range(spec.start_epoch, spec.epochs):
-        record = {"epoch": epoch + 1, **run_epoch(reader, epoch, True)}
+        record = {"epoch": epoch + 1, **train_epoch(epoch)}
         if val_reader is not None:
-            record.update(hist.prefixed("val_", run_epoch(val_reader, epoch, False)))
+            record.update(hist.prefixed("val_", val_epoch(epoch)))
         record = hist.average_over_ranks(record)
         history.append(record)
         if hvd.rank() == 0:
@@ -154,11 +256,13 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     if hvd.rank() != 0:
         return None
     model.eval().cpu()  # saved and used by transform on the CPU
+    _move_optimizer_state(optimizer)
     sample = next(iter(reader.epoch(0)))
     with torch.no_grad():
         outs = _as_tuple(model(*_inputs(sample, ds.feature_cols, shapes, torch)))
     return {
         "model": cloudpickle.dumps({"model": model, "input_shapes": shapes}),
+        "optimizer": optimizer_record(model, optimizer, torch),
         "history": history,
         "output_shapes": [tuple(o.shape[1:]) for o in outs],
     }

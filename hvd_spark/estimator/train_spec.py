@@ -1,4 +1,4 @@
-"""What the driver hands every rank for training, and the readers built from it.
+"""What the driver hands every rank for training, and the one batch source all Estimators read.
 
 Worker side: nothing here imports pyspark, so the training functions run in any
 process that has the framework (a Spark task's child, ``hvdrun``, a GPU box).
@@ -7,10 +7,17 @@ process that has the framework (a Spark task's child, ``hvdrun``, a GPU box).
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
+from hvd_spark.errors import ConfigError, DataError
+
+Batch = dict[str, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +36,14 @@ class TrainSpec:
         backward_passes_per_step: Batches accumulated before each allreduce.
         compression: The bindings' Compression choice (None: none).
         verbose: 1 prints a line per epoch on rank 0 (forwarded live to the driver).
-        use_gpu: Train on the rank's GPU.
+        use_gpu: Train on the rank's GPU when it has one.
+        framework_seed: Seed of the framework's generators (None: not seeded).
+        transformation_fn: Applied to every batch (a dict of numpy arrays) before use.
+        inmemory_cache_all: Keep the rank's decoded rows in memory after the first epoch.
+        shuffle_buffer_size: Rows in the reader's shuffle buffer (None: its default).
+        train_reader_threads, val_reader_threads: Decode threads (None: reader default).
+        label_shapes: Per-row shape of each label column (None: as stored).
+        mp_start_method: multiprocessing start method to set first (None: leave it).
         extra: Framework-specific settings.
     """
 
@@ -48,11 +62,97 @@ class TrainSpec:
     compression: Any
     verbose: int
     use_gpu: bool
+    framework_seed: int | None = None
+    transformation_fn: Callable[[Batch], Batch] | None = None
+    inmemory_cache_all: bool = False
+    shuffle_buffer_size: int | None = None
+    train_reader_threads: int | None = None
+    val_reader_threads: int | None = None
+    label_shapes: Sequence[Sequence[int]] | None = None
+    mp_start_method: str | None = None
     extra: dict = dataclasses.field(default_factory=dict)
 
 
-def make_readers(spec: TrainSpec, rank: int, size: int) -> tuple[Any, Any]:
-    """This rank's training reader and validation reader (None without validation data)."""
+class BatchSource:
+    """One rank's batches of one split: the sharded reader, optionally cached in memory,
+    with ``transformation_fn`` applied to every batch.
+
+    With ``cache``, the rows of the first epoch read are copied into memory and later
+    epochs are served from there, reshuffled (seeded by epoch and rank) when
+    ``shuffle`` is on: no more Parquet reads, and each rank keeps its first share of
+    the rows (as Horovod's ``inmemory_cache_all`` does). The transformation runs after
+    the cache, so random augmentations differ every epoch.
+    """
+
+    def __init__(self, reader: Any, transform: Callable[[Batch], Batch] | None = None,
+                 cache: bool = False, shuffle: bool = False, seed: int = 0) -> None:
+        self.reader = reader
+        self.transform, self.cache = transform, cache
+        self.shuffle, self.seed = shuffle, seed
+        self._rows: Batch | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.reader.steps_per_epoch
+
+    @property
+    def batch_size(self) -> int:
+        return self.reader.batch_size
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        """Exactly ``steps_per_epoch`` batches of ``epoch``."""
+        for batch in self._raw(epoch):
+            yield apply_transformation(self.transform, batch) if self.transform else batch
+
+    def _raw(self, epoch: int) -> Iterator[Batch]:
+        if not self.cache:
+            yield from self.reader.epoch(epoch)
+            return
+        if self._rows is None:
+            parts: list[Batch] = []
+            for batch in self.reader.epoch(epoch):
+                parts.append({k: np.array(v) for k, v in batch.items()})  # views -> owned
+                yield parts[-1]
+            self._rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+            return
+        n = len(next(iter(self._rows.values())))
+        order = (np.random.default_rng([self.seed, epoch, self.reader.rank, 2]).permutation(n)
+                 if self.shuffle else np.arange(n))
+        size = self.batch_size
+        for step in range(self.steps_per_epoch):
+            take = order[step * size:(step + 1) * size]
+            yield {k: v[take] for k, v in self._rows.items()}
+
+
+def apply_transformation(fn: Callable[[Batch], Any], batch: Batch) -> Batch:
+    """``fn(batch)`` on writable copies of read-only arrays; the result must be a mapping
+    of column -> array with one row per input row."""
+    rows = len(next(iter(batch.values())))
+    ready = {k: v if v.flags.writeable else np.array(v) for k, v in batch.items()}
+    out = fn(ready)
+    if out is None:
+        out = ready  # a function that changed the dict in place
+    if hasattr(out, "to_dict") and hasattr(out, "columns"):  # a pandas DataFrame
+        out = {c: _stacked(out[c].to_numpy()) for c in out.columns}
+    if not hasattr(out, "items"):
+        raise DataError(f"transformation_fn must return a dict of column -> numpy array (or "
+                        f"a pandas DataFrame), got {type(out).__name__}")
+    result = {k: np.asarray(v) for k, v in out.items()}
+    short = sorted(k for k, v in result.items() if v.ndim == 0 or len(v) != rows)
+    if short:
+        raise DataError(f"transformation_fn returned column(s) {short} without one row per "
+                        f"input row ({rows} rows in the batch)")
+    return result
+
+
+def _stacked(values: np.ndarray) -> np.ndarray:
+    if values.dtype == object and len(values) and isinstance(values[0], np.ndarray):
+        return np.stack(values)
+    return values
+
+
+def make_readers(spec: TrainSpec, rank: int, size: int) -> tuple[BatchSource, BatchSource | None]:
+    """This rank's training and validation batch sources (None without validation data)."""
     from hvd_spark.data.reader import ShardReader
 
     ds = spec.dataset
@@ -60,9 +160,43 @@ def make_readers(spec: TrainSpec, rank: int, size: int) -> tuple[Any, Any]:
     if ds.sample_weight_col:
         cols.append(ds.sample_weight_col)
     train = ShardReader(ds, rank, size, spec.batch_size, split="train", columns=cols,
-                        shuffle=spec.shuffle, seed=spec.seed, steps_per_epoch=spec.train_steps)
+                        shuffle=spec.shuffle, seed=spec.seed, steps_per_epoch=spec.train_steps,
+                        shuffle_buffer_size=spec.shuffle_buffer_size,
+                        num_threads=spec.train_reader_threads)
+    source = BatchSource(train, spec.transformation_fn, spec.inmemory_cache_all, spec.shuffle,
+                         spec.seed)
     val = None
     if ds.val.num_rows:
-        val = ShardReader(ds, rank, size, spec.val_batch_size, split="val", columns=cols,
-                          shuffle=False, steps_per_epoch=spec.val_steps)
-    return train, val
+        reader = ShardReader(ds, rank, size, spec.val_batch_size, split="val", columns=cols,
+                             shuffle=False, steps_per_epoch=spec.val_steps,
+                             num_threads=spec.val_reader_threads)
+        val = BatchSource(reader, spec.transformation_fn, spec.inmemory_cache_all)
+    return source, val
+
+
+def batch_shape(shape: Sequence[int], what: str, row_size: int | None = None) -> tuple[int, ...]:
+    """A per-row shape, or Horovod's shape with a leading -1 batch dimension, as the
+    full batch shape ``(-1, *row_shape)``.
+
+    ``[1, 28, 28]`` and ``[-1, 1, 28, 28]`` both give ``(-1, 1, 28, 28)``. Only the
+    leading dimension may be -1; with ``row_size`` the row shape must hold that many
+    values. Raises ConfigError naming ``what`` otherwise.
+    """
+    dims = [int(d) for d in shape]
+    row = dims[1:] if dims and dims[0] == -1 else dims
+    if any(d < 1 for d in row):
+        raise ConfigError(f"{what}={list(shape)}: only a leading batch dimension may be -1 "
+                          "and every other dimension must be positive")
+    if row_size is not None and math.prod(row) != row_size:
+        raise ConfigError(f"{what}={list(shape)} holds {math.prod(row)} values per row, but "
+                          f"the column has {row_size}; give the shape of one row (a leading "
+                          "-1 for the batch is allowed)")
+    return (-1, *row)
+
+
+def set_start_method(method: str | None) -> None:
+    """Horovod's ``mp_start_method``: set multiprocessing's start method in this rank."""
+    if method:
+        import multiprocessing
+
+        multiprocessing.set_start_method(method, force=True)

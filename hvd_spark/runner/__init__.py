@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["run", "run_local"]
+__all__ = ["Backend", "SparkBackend", "run", "run_local"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +19,8 @@ def __getattr__(name: str) -> Any:
         from hvd_spark.runner.api import run
 
         return run
+    if name in ("Backend", "SparkBackend"):
+        from hvd_spark.runner import backend
+
+        return getattr(backend, name)
     raise AttributeError(f"module 'hvd_spark.runner' has no attribute {name!r}")

@@ -41,6 +41,39 @@ def _start_timeout(start_timeout: float | None) -> float:
     return float(start_timeout)
 
 
+def horovod_keywords(env: dict[str, str] | None, *, extra_mpi_args: str | None,
+                     nics: Sequence[str] | str | None, executable: str | None,
+                     use_mpi: bool | None, use_gloo: bool | None) -> dict[str, str] | None:
+    """Apply Horovod's launcher keywords that mean something here; log the others once.
+
+    Returns ``env``, with ``HVD_SPARK_IFACE`` added when ``nics`` names an interface.
+    """
+    if use_mpi and use_gloo:
+        raise ConfigError("use_mpi and use_gloo are both True; Horovod accepts one at most")
+    if use_mpi:
+        log.info("hvd_spark.run: use_mpi=True is ignored: under Spark the ranks always "
+                 "connect through hvd_spark's TCP ring (there is no mpirun to start)")
+    if use_gloo is False and not use_mpi:
+        log.info("hvd_spark.run: use_gloo=False is ignored: the TCP ring is the only "
+                 "controller under Spark")
+    if extra_mpi_args:
+        log.info("hvd_spark.run: extra_mpi_args=%r is ignored: no MPI launcher runs under "
+                 "Spark", extra_mpi_args)
+    if executable is not None:
+        log.info("hvd_spark.run: executable=%r is ignored: each rank runs in its Spark "
+                 "task's Python (set spark.pyspark.python or PYSPARK_PYTHON)", executable)
+    if nics:
+        names = [nics] if isinstance(nics, str) else sorted(nics)
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise ConfigError(f"nics must be interface names (str), got {nics!r}")
+        if len(names) > 1:
+            log.info("hvd_spark.run: nics=%r: the ranks advertise the address of %r "
+                     "(one interface is used)", nics, names[0])
+        env = {**(env or {}), _env.IFACE: names[0]}
+    return env
+
+
 @dataclasses.dataclass(frozen=True)
 class RunReport:
     """What one run returned, with the driver's timings (``time.time()`` seconds).
@@ -74,6 +107,11 @@ def run(
     verbose: int = 1,
     use_gpu: bool | None = None,
     prefix_output_with_timestamp: bool = False,
+    extra_mpi_args: str | None = None,
+    nics: Sequence[str] | str | None = None,
+    executable: str | None = None,
+    use_mpi: bool | None = None,
+    use_gloo: bool | None = None,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks; results in rank order.
 
@@ -93,6 +131,13 @@ def run(
         use_gpu: Give each rank its task's GPUs as ``CUDA_VISIBLE_DEVICES``; default: when
             ``spark.task.resource.gpu.amount`` is set.
         prefix_output_with_timestamp: Start each forwarded line with the time.
+        extra_mpi_args, nics, executable, use_mpi, use_gloo: Horovod's keywords, accepted
+            so that Horovod calls run unchanged. ``nics`` (one interface name, or the
+            first of several) sets ``HVD_SPARK_IFACE`` for the ranks; ``use_gloo`` is
+            what always happens (our TCP ring plays Gloo's part). The others do not
+            apply and are ignored with one log line each: there is no MPI launcher
+            under Spark, and the ranks run in their task's Python
+            (``spark.pyspark.python``).
 
     Returns:
         ``fn``'s return values, index = rank.
@@ -104,6 +149,8 @@ def run(
             the other ranks were stopped and the Spark job cancelled.
         RendezvousTimeoutError: Not every task started within ``start_timeout``.
     """
+    env = horovod_keywords(env, extra_mpi_args=extra_mpi_args, nics=nics,
+                           executable=executable, use_mpi=use_mpi, use_gloo=use_gloo)
     return run_with_report(
         fn, args=args, kwargs=kwargs, num_proc=num_proc, start_timeout=start_timeout, env=env,
         stdout=stdout, stderr=stderr, verbose=verbose, use_gpu=use_gpu,

@@ -142,11 +142,11 @@ def test_torch_estimator_worker_trains_on_the_gpu(tmp_path):
         val_steps=None, backward_passes_per_step=1, compression=None, verbose=1, use_gpu=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     payload = {
-        "model": cloudpickle.dumps(model), "optimizer_cls": torch.optim.Adam,
-        "optimizer_defaults": dict(torch.optim.Adam(model.parameters(), lr=0.01).defaults),
-        "loss": nn.CrossEntropyLoss(), "loss_constructors": None, "metrics": [],
-        "input_shapes": None,
+        "model_and_optimizer": cloudpickle.dumps((model, optimizer)),
+        "loss": nn.CrossEntropyLoss(), "loss_constructors": None, "loss_weights": None,
+        "metrics": [], "input_shapes": None, "train_minibatch_fn": None,
     }
     result, other = run_local(train_torch, args=(spec, payload), num_proc=2)
     assert other is None

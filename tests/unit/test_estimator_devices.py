@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import types
 
-import pytest
 import torch
 
-from hvd_spark.errors import ConfigError
-from hvd_spark.estimator.keras import place_keras
+from hvd_spark.estimator.keras_worker import place_keras
 from hvd_spark.estimator.torch_worker import training_device
 
 
-def test_training_device_without_a_gpu_names_the_problem():
+def test_training_device_without_a_gpu_falls_back_to_the_cpu(caplog):
     no_cuda = types.SimpleNamespace(
         device=torch.device, __version__="2.x+cpu", version=types.SimpleNamespace(cuda=None),
         cuda=types.SimpleNamespace(is_available=lambda: False))
     assert training_device(False, 0, no_cuda) == torch.device("cpu")
-    with pytest.raises(ConfigError, match="use_gpu=True.*no CUDA device.*use_gpu=False"):
-        training_device(True, 0, no_cuda)
+    with caplog.at_level("INFO", logger="hvd_spark.estimator"):
+        assert training_device(True, 0, no_cuda) == torch.device("cpu")  # Horovod's meaning
+    assert "no CUDA device" in caplog.text and "training on the CPU" in caplog.text
 
 
 class _FakeTfConfig:
@@ -43,5 +42,6 @@ def test_place_keras_shows_one_gpu_or_none():
     assert cfg.visible == (["gpu1"], "GPU") and cfg.growth == [("gpu1", True)]
     place_keras(False, 0, types.SimpleNamespace(config=cfg))
     assert cfg.visible == ([], "GPU")
-    with pytest.raises(ConfigError, match="use_gpu=True.*TensorFlow sees no GPU"):
-        place_keras(True, 0, types.SimpleNamespace(config=_FakeTfConfig([])))
+    none = _FakeTfConfig([])
+    place_keras(True, 0, types.SimpleNamespace(config=none))  # no GPU: the CPU, no error
+    assert none.visible == ([], "GPU") and none.growth == []
