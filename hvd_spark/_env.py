@@ -64,7 +64,6 @@ TORCH_LOCAL_RANK = "LOCAL_RANK"
 TORCH_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 
 
-
 def rank_variables(rank: int, size: int, local_rank: int, local_size: int, cross_rank: int,
                    cross_size: int, hostname: str) -> dict[str, str]:
     """A rank's place in the job under every name a launcher exports.
