@@ -35,12 +35,14 @@ import posixpath
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 
+from hvd_spark.data.filesystems import unsplit
 from hvd_spark.data.layout import (
     dictionary_columns,
     pack_arrays,
@@ -337,17 +339,22 @@ class _Layout:
                        {s: store.data_path(key, s) for s in ("train", "val")},
                        {"train": "train", "val": "val"}, (store.dataset_path(key),))
         dirs = {"train": train_dir, "val": val_dir}
-        rel = {}
         for split, path in dirs.items():
-            inside = store.relative(path) if isinstance(path, str) and path else None
-            if not inside:
-                raise ConfigError(
-                    f"{split}_dir must be a directory under the store prefix {store.url!r}, "
-                    f"got {path!r}"
-                )
-            rel[split] = inside
-        return cls("", posixpath.join(rel["train"], DATASET_SPEC_FILE), rel, rel,
-                   (rel["train"], rel["val"]))
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"{split}_dir must be a path or URL, got {path!r}")
+        full = {split: urlsplit(store.get_full_path(path)) for split, path in dirs.items()}
+        if full["train"].path.rstrip("/") == full["val"].path.rstrip("/"):
+            raise ConfigError(f"train_dir and val_dir must differ, both are {train_dir!r}")
+        inside = {split: store.relative(path) for split, path in dirs.items()}
+        if all(inside.values()):  # under the prefix: the spec's root_url is the prefix URL
+            return cls("", posixpath.join(inside["train"], DATASET_SPEC_FILE), inside, inside,
+                       (inside["train"], inside["val"]))
+        # Elsewhere on the store's filesystem: files are listed from the common parent.
+        common = posixpath.commonpath([full["train"].path, full["val"].path])
+        root = unsplit(full["train"]._replace(path=common or "/", query=""))
+        rel = {split: posixpath.relpath(f.path, common) for split, f in full.items()}
+        return cls(root, posixpath.join(dirs["train"], DATASET_SPEC_FILE), dirs, rel,
+                   (dirs["train"], dirs["val"]))
 
 
 def _cached_spec(store: Store, layout: _Layout, key: str) -> DatasetSpec | None:

@@ -98,6 +98,21 @@ def test_default_feature_columns_and_no_validation(frames, tmp_path):
         assert not store.exists(store.get_val_data_path(idx))
 
 
+def test_custom_train_and_val_paths_outside_the_prefix(frames, tmp_path):
+    store = Store.create(str(tmp_path / "p"), train_path=str(tmp_path / "data" / "train"),
+                         val_path=str(tmp_path / "other" / "val"))
+    with util.prepare_data(2, store, frames[1], label_columns=["label"],
+                           validation="is_val") as idx:
+        assert sorted(os.listdir(tmp_path)) == ["data", "other"]  # nothing under the prefix
+        assert store.is_parquet_dataset(str(tmp_path / "data" / "train.0"))
+        assert store.is_parquet_dataset(str(tmp_path / "other" / "val.0"))
+        spec = util.load_dataset_spec(store, idx)
+        rows = {split: sum(len(b["id"]) for b in ShardReader(spec, 0, 1, 1, split=split,
+                                                              columns=["id"]).epoch(0))
+                for split in ("train", "val")}
+        assert rows == {"train": 60, "val": 20}
+
+
 def test_bad_input(frames, tmp_path):
     df = frames[0]
     store = str(tmp_path)
