@@ -132,3 +132,35 @@ def test_bad_input(frames, tmp_path):
         util.load_dataset_spec(store, 7)
     with pytest.raises(DataError, match="was not prepared in this process"):
         util.get_dataset_properties(7)
+
+
+def test_spec_from_parquet_the_user_wrote(spark, frames, tmp_path):
+    from pyspark.ml.functions import vector_to_array
+
+    from hvd_spark.data.parquet_spec import spec_from_parquet
+
+    df = frames[0].withColumn("arr", vector_to_array("features", "float32"))
+    store = Store.create(str(tmp_path))
+    train, val = df.filter("is_val = 0"), df.filter("is_val = 1")
+    train.write.parquet(store.get_train_data_path())  # as Horovod users do
+    val.write.parquet(store.get_val_data_path())
+    spec = spec_from_parquet(store, ["arr", "id"], ["label"])
+    cols = {c.name: c for c in spec.columns}
+    assert (cols["arr"].kind, cols["arr"].shape, cols["arr"].dtype) == ("array", (3,), "float32")
+    assert (cols["id"].dtype, cols["label"].dtype) == ("int64", "float64")
+    assert (spec.train.num_rows, spec.val.num_rows) == (60, 20)
+    for split, expect_val in (("train", False), ("val", True)):
+        ids = []
+        for batch in ShardReader(spec, 0, 1, 5, split=split, shuffle=False).epoch(0):
+            np.testing.assert_array_equal(batch["arr"][:, 0], batch["id"])
+            ids += batch["id"].tolist()
+        assert all((i % 4 == 0) == expect_val for i in ids) and ids
+    only_train = spec_from_parquet(store, ["id"], ["label"], val_path=None,
+                                   train_path=store.get_train_data_path())
+    assert only_train.train.num_rows == 60
+    with pytest.raises(DataError, match="column 'features' has Parquet type struct"):
+        spec_from_parquet(store, ["features"], ["label"])  # a Vector, stored as a struct
+    with pytest.raises(DataError, match=r"column\(s\) \['nope'\] not in the Parquet files"):
+        spec_from_parquet(store, ["nope"])
+    with pytest.raises(DataError, match="no readable Parquet files"):
+        spec_from_parquet(Store.create(str(tmp_path / "empty")), ["id"])

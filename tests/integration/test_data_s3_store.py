@@ -18,6 +18,7 @@ import pytest
 
 from hvd_spark.data import FilesystemStore, ShardReader, Store
 from hvd_spark.data import dataset_index as util
+from hvd_spark.data.parquet_spec import spec_from_parquet
 from hvd_spark.errors import ConfigError
 
 
@@ -95,6 +96,10 @@ def test_horovod_methods_on_s3a(s3a_store):
     with store.filesystem.open_output_stream(store.get_localized_path(path) + "/p.parquet") as out:
         pq.write_table(pa.table({"x": [1, 2]}), out)
     assert store.is_parquet_dataset(path) and store.get_parquet_dataset(path).count_rows() == 2
+    spec = spec_from_parquet(store, ["x"], train_path=path)
+    assert spec.root_url.startswith("s3a://hvd-bucket/")
+    batches = ShardReader(pickle.loads(pickle.dumps(spec)), 0, 1, 1, shuffle=False).epoch(0)
+    assert [int(b["x"][0]) for b in batches] == [1, 2]
 
 
 def test_prepare_data_context_manager_on_s3a(spark, s3a_store):
