@@ -1,0 +1,166 @@
+"""Horovod-on-Spark scripts, written against Horovod's API, run with only the imports changed.
+
+Each test is shaped like Horovod's own ``keras_spark_mnist.py`` / ``pytorch_spark_mnist.py``
+examples: a libsvm file of flat 784-pixel images (SparseVector features), one-hot
+SparseVector labels from ``OneHotEncoder`` (Keras), a ``SparkBackend``, ``Store.create``,
+``input_shapes`` with Horovod's -1 batch dimension (torch), ``inmemory_cache_all`` and a
+TensorBoard callback (Keras), ``setOutputCols`` and a Spark evaluator. The images are
+synthetic (10 classes, each lights its own band of rows, plus noise): tiny and learnable
+in a few epochs, so the expected accuracy is near 1.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pyspark  # noqa: F401 - CI installs it: never a skip
+
+
+def _write_libsvm(path, n: int, seed: int) -> None:
+    """Sparse 28x28 images: class c has bright pixels in rows 2c+3 and 2c+4, plus noise."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(n):
+        label = int(rng.integers(10))
+        image = np.zeros((28, 28))
+        image[2 * label + 3: 2 * label + 5, 4:24] = rng.uniform(0.5, 1.0, size=(2, 20))
+        noise = rng.integers(0, 784, size=20)
+        image.reshape(-1)[noise] = rng.uniform(0.0, 0.5, size=20)
+        flat = image.reshape(-1)
+        cells = " ".join(f"{i + 1}:{v:.3f}" for i in np.flatnonzero(flat) for v in [flat[i]])
+        lines.append(f"{label} {cells}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _mnist_like(spark, tmp_path):
+    _write_libsvm(tmp_path / "train.libsvm", 900, 0)
+    _write_libsvm(tmp_path / "test.libsvm", 200, 1)
+    read = spark.read.format("libsvm").option("numFeatures", "784")
+    return (read.load(str(tmp_path / "train.libsvm")), read.load(str(tmp_path / "test.libsvm")))
+
+
+def test_horovod_pytorch_spark_mnist_script(spark, tmp_path):
+    # --- the only lines that differ from the Horovod script: its imports ---------------
+    # Horovod: import horovod.spark.torch as hvd
+    import hvd_spark.estimator as hvd  # noqa: I001 - kept in the script's order
+
+    # Horovod: from horovod.spark.common.backend import SparkBackend
+    from hvd_spark import SparkBackend
+
+    # Horovod: from horovod.spark.common.store import Store
+    from hvd_spark.data import Store
+
+    # --- the Horovod script -------------------------------------------------------------
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.sql.functions import udf
+    from pyspark.sql.types import DoubleType
+
+    train_df, test_df = _mnist_like(spark, tmp_path)
+    store = Store.create(str(tmp_path / "work"))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(1, 4, kernel_size=5)
+            self.fc = nn.Linear(4 * 6 * 6, 10)
+
+        def forward(self, x):
+            x = F.relu(F.max_pool2d(self.conv(x.float()), 4))
+            return F.log_softmax(self.fc(x.view(-1, 4 * 6 * 6)), dim=-1)
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    loss = nn.NLLLoss()
+    backend = SparkBackend(num_proc=2, stdout=sys.stdout, stderr=sys.stderr,
+                           prefix_output_with_timestamp=True)
+    torch_estimator = hvd.TorchEstimator(
+        backend=backend, store=store, model=model, optimizer=optimizer,
+        loss=lambda input, target: loss(input, target.long()),
+        input_shapes=[[-1, 1, 28, 28]], feature_cols=["features"], label_cols=["label"],
+        batch_size=32, epochs=4, validation=0.1, verbose=1)
+    torch_model = torch_estimator.fit(train_df).setOutputCols(["label_prob"])
+
+    argmax = udf(lambda v: float(np.argmax(v)), returnType=DoubleType())
+    pred_df = torch_model.transform(test_df)
+    pred_df = pred_df.withColumn("label_pred", argmax(pred_df.label_prob))
+    evaluator = MulticlassClassificationEvaluator(predictionCol="label_pred", labelCol="label",
+                                                  metricName="accuracy")
+    accuracy = evaluator.evaluate(pred_df)
+    # --- end of the script --------------------------------------------------------------
+
+    assert accuracy > 0.9, accuracy
+    history = torch_model.getHistory()
+    assert len(history) == 4 and history[-1]["train"]["loss"] < history[0]["train"]["loss"]
+    assert "validation" in history[-1]
+    assert torch_model.getInputShapes() == [(-1, 1, 28, 28)]
+    assert torch_model.getFeatureColumns() == ["features"]
+    assert torch_model.getLabelColumns() == ["label"]
+    trained = torch_model.getOptimizer()
+    assert isinstance(trained, torch.optim.SGD)
+    assert trained.param_groups[0]["momentum"] == 0.5
+    assert trained.param_groups[0]["params"][0] is next(torch_model.getModel().parameters())
+
+
+def test_horovod_keras_spark_mnist_script(spark, tmp_path):
+    # --- the only lines that differ from the Horovod script: its imports ---------------
+    # Horovod: import horovod.spark.keras as hvd
+    import hvd_spark.estimator as hvd  # noqa: I001 - kept in the script's order
+
+    # Horovod: from horovod.spark.common.store import Store
+    from hvd_spark.data import Store
+
+    # --- the Horovod script -------------------------------------------------------------
+    import keras
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.feature import OneHotEncoder
+    from pyspark.sql.functions import udf
+    from pyspark.sql.types import DoubleType
+
+    train_df, test_df = _mnist_like(spark, tmp_path)
+    store = Store.create(str(tmp_path / "work"))
+    encoder = OneHotEncoder(inputCols=["label"], outputCols=["label_vec"], dropLast=False)
+    encoder_model = encoder.fit(train_df)
+    train_df = encoder_model.transform(train_df)
+    test_df = encoder_model.transform(test_df)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(4, kernel_size=(5, 5), activation="relu"),
+        keras.layers.MaxPooling2D(pool_size=(4, 4)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
+    optimizer = keras.optimizers.Adam(0.01)
+    loss = keras.losses.categorical_crossentropy
+    keras_estimator = hvd.KerasEstimator(
+        num_proc=2, store=store, model=model, optimizer=optimizer, loss=loss,
+        metrics=["accuracy"], feature_cols=["features"], label_cols=["label_vec"],
+        batch_size=32, epochs=4, validation=0.1, inmemory_cache_all=True, verbose=1,
+        callbacks=[keras.callbacks.TensorBoard(log_dir=str(tmp_path / "tb"))])
+    keras_model = keras_estimator.fit(train_df).setOutputCols(["label_prob"])
+
+    argmax = udf(lambda v: float(np.argmax(v)), returnType=DoubleType())
+    pred_df = keras_model.transform(test_df)
+    pred_df = pred_df.withColumn("label_pred", argmax(pred_df.label_prob))
+    evaluator = MulticlassClassificationEvaluator(predictionCol="label_pred", labelCol="label",
+                                                  metricName="accuracy")
+    accuracy = evaluator.evaluate(pred_df)
+    # --- end of the script --------------------------------------------------------------
+
+    assert accuracy > 0.9, accuracy
+    history = keras_model.getHistory()
+    assert len(history["loss"]) == 4 and len(history["val_loss"]) == 4
+    assert history["val_accuracy"][-1] > 0.9
+    # The TensorBoard callback wrote to the run's logs path in the store (as in Horovod).
+    logs = store.logs_path(keras_model.getRunId())
+    for split in ("train", "validation"):
+        events = [f for f in store.list_files(f"{logs}/{split}") if "tfevents" in f]
+        assert events and not (tmp_path / "tb").exists(), (split, store.list_files(logs))
+    assert keras_model.getCustomObjects() is None or keras_model.getCustomObjects() == {}
+    assert isinstance(keras_model.getOptimizer(), keras.optimizers.Adam)
