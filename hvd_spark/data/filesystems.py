@@ -149,11 +149,13 @@ def filesystem_from_url(
     if is_local(url):
         return pafs.LocalFileSystem(), local_path(url)
     scheme = scheme_of(url)
-    merged = {**registered_options(url), **url_options(url), **(options or {})}
+    # Later sources win: registered for the bucket, then the URL's query, then ``options``.
+    sources = (registered_options(url), url_options(url), options or {})
+    merged = {k: v for source in sources for k, v in source.items()}
     split = urlsplit(normalize_url(url))
     try:
         if scheme == "s3" and (merged or split.username):
-            keywords = s3_keywords(merged)
+            keywords = {k: v for source in sources for k, v in s3_keywords(source).items()}
             if split.username:  # s3://KEY:SECRET@bucket/path, as pyarrow's from_uri takes
                 keywords.setdefault("access_key", unquote(split.username))
                 keywords.setdefault("secret_key", unquote(split.password or ""))

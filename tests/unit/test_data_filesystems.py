@@ -84,3 +84,12 @@ def test_strip_query_and_unsplit():
     assert filesystems.strip_query("/local/p") == "/local/p"
     assert filesystems.unsplit(urlsplit("hdfs:///user/x")) == "hdfs:///user/x"
     assert os.path.isabs(filesystems.local_path("~/x"))
+
+
+def test_the_urls_own_query_wins_over_registered_options():
+    filesystems.register_options("s3://prio-bucket/x", {
+        "client_kwargs": {"endpoint_url": "http://10.0.0.1:1"}, "region": "us-east-1"})
+    fs, _ = filesystem_from_url("s3a://prio-bucket/y?endpoint_override=127.0.0.1:2&scheme=http")
+    assert "127.0.0.1:2" in repr(fs.__reduce__())
+    fs, _ = filesystem_from_url("s3a://prio-bucket/y")
+    assert "10.0.0.1:1" in repr(fs.__reduce__())
