@@ -57,7 +57,7 @@ def main() -> int:
     estimator = TorchEstimator(
         num_proc=2, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.003),
         loss=torch.nn.CrossEntropyLoss(), feature_cols=["pixels"], label_cols=["digit"],
-        input_shapes=[[1, 8, 8]], batch_size=32, epochs=8, validation=0.1,
+        input_shapes=[[-1, 1, 8, 8]], batch_size=32, epochs=8, validation=0.1,
         store=tempfile.mkdtemp(prefix="hvd_spark_demo_"), verbose=1)
     start = time.time()
     fitted = estimator.fit(train)
@@ -66,8 +66,9 @@ def main() -> int:
     predictions = fitted.transform(test).select("digit", "digit__output").collect()
     accuracy = float(np.mean([int(np.argmax(r["digit__output"])) == r["digit"]
                               for r in predictions]))
-    last = fitted.getHistory()[-1]
-    print(f"final epoch: loss {last['loss']:.4f}, val_loss {last['val_loss']:.4f}")
+    last = fitted.getHistory()[-1]  # Horovod's torch history: train/validation per epoch
+    print(f"final epoch: loss {last['train']['loss']:.4f}, "
+          f"val_loss {last['validation']['loss']:.4f}")
     print(f"held-out accuracy from transform(): {accuracy:.3f} on {len(predictions)} images")
     spark.stop()
     return 0 if accuracy > 0.9 else 1

@@ -207,15 +207,17 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
 
         Args:
             params: Optional param map overriding this estimator's params.
-            dataset_idx: The dataset: the index given to ``prepare_data`` (its files at
-                ``store.get_train_data_path(dataset_idx)``), a ``DatasetSpec``, or
-                None for the store's only written dataset.
+            dataset_idx: The index ``hvd_spark.data.dataset_index.prepare_data`` yielded
+                (its files at ``store.get_train_data_path(dataset_idx)``), a
+                ``DatasetSpec``, or None: the Parquet files at
+                ``store.get_train_data_path()`` (and ``get_val_data_path()``), as in Horovod.
         """
         if params:
             return self.copy(params).fit_on_parquet(dataset_idx=dataset_idx)
         self._check_params()
         store = self._store()
-        dataset = _stored_dataset(store, dataset_idx)
+        dataset = _stored_dataset(store, dataset_idx, self.value("feature_cols"),
+                                  self.value("label_cols"), self.value("sample_weight_col"))
         wanted = [*self.value("feature_cols"), *self.value("label_cols")]
         if self.value("sample_weight_col"):
             wanted.append(self.value("sample_weight_col"))
@@ -352,20 +354,21 @@ class HvdModel(Model, KeywordParams, PickledPersistence):
                           meta["run_id"])
 
 
-def _stored_dataset(store: Store, dataset_idx: Any) -> DatasetSpec:
+def _stored_dataset(store: Store, dataset_idx: Any, feature_cols: list[str],
+                    label_cols: list[str], sample_weight_col: str | None) -> DatasetSpec:
     """The DatasetSpec of ``fit_on_parquet``'s ``dataset_idx`` (see there)."""
     from hvd_spark.data import dataset_index, writer
+    from hvd_spark.data.parquet_spec import spec_from_parquet
 
     if isinstance(dataset_idx, DatasetSpec):
         return dataset_idx
     if dataset_idx is not None:
         return dataset_index.load_dataset_spec(store, dataset_idx)
     path = posixpath.join(store.get_train_data_path(), writer.DATASET_SPEC_FILE)
-    if not store.exists(path):
-        raise ConfigError(
-            f"fit_on_parquet: no dataset at {store.get_train_data_path()}; write one with "
-            "hvd_spark.data.dataset_index.prepare_data(...) and pass dataset_idx=<its index>")
-    return DatasetSpec.from_json(store.read_bytes(path))
+    if store.exists(path):
+        return DatasetSpec.from_json(store.read_bytes(path))
+    # Parquet files the user wrote to the store's train (and val) path, as in Horovod.
+    return spec_from_parquet(store, feature_cols, label_cols, sample_weight_col)
 
 
 def define(cls: type, extra_specs: list, base: list | None = None) -> type:

@@ -112,7 +112,7 @@ class BatchSource:
             parts: list[Batch] = []
             for batch in self.reader.epoch(epoch):
                 parts.append({k: np.array(v) for k, v in batch.items()})  # views -> owned
-                yield parts[-1]
+                yield {k: _read_only(v) for k, v in parts[-1].items()}  # the cache stays intact
             self._rows = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
             return
         n = len(next(iter(self._rows.values())))
@@ -143,6 +143,12 @@ def apply_transformation(fn: Callable[[Batch], Any], batch: Batch) -> Batch:
         raise DataError(f"transformation_fn returned column(s) {short} without one row per "
                         f"input row ({rows} rows in the batch)")
     return result
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _stacked(values: np.ndarray) -> np.ndarray:

@@ -30,8 +30,8 @@ def test_torch_estimator_on_two_executors(spark_cluster, tmp_path):
         batch_size=32, epochs=4, validation=0.2, store=str(tmp_path / "store"), verbose=0)
     fitted = est.fit(_frame(spark_cluster, 1000, 0))
     history = fitted.getHistory()
-    assert len(history) == 4 and history[-1]["loss"] < history[0]["loss"]
-    assert "val_loss" in history[-1]
+    assert len(history) == 4 and history[-1]["train"]["loss"] < history[0]["train"]["loss"]
+    assert history[-1]["validation"]["loss"] > 0
     rows = fitted.transform(_frame(spark_cluster, 200, 1)).select("label", "label__output")
     pred = [(int(np.argmax(r["label__output"])), r["label"]) for r in rows.collect()]
     assert np.mean([p == y for p, y in pred]) > 0.9
