@@ -14,6 +14,7 @@ Beyond what ``pyarrow.fs.FileSystem.from_uri`` takes, this module understands:
 from __future__ import annotations
 
 import os
+import posixpath
 import threading
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -94,6 +95,25 @@ def unsplit(split: Any) -> str:
     """``urlunsplit`` that keeps ``//`` before an empty host (``hdfs:///path``)."""
     url = f"{split.scheme}://{split.netloc}{split.path}"
     return url + (f"?{split.query}" if split.query else "")
+
+
+def join_url(url: str, *parts: str) -> str:
+    """Join path ``parts`` onto ``url``, keeping its scheme, host and query string.
+
+    Args:
+        url: A local path or a URL such as ``s3://bucket/prefix?endpoint_override=...``.
+        *parts: Relative path components (``/``-separated).
+
+    Returns:
+        The joined path or URL.
+    """
+    parts = tuple(p.strip("/") for p in parts if p)
+    if url.startswith("dbfs:"):
+        url = local_path(url)
+    if is_local(url) and not url.startswith("file:"):
+        return os.path.join(url, *parts)
+    split = urlsplit(url)
+    return unsplit(split._replace(path=posixpath.join(split.path or "/", *parts)))
 
 
 def register_options(url: str, options: dict[str, Any]) -> None:

@@ -22,7 +22,6 @@ filesystem is re-created lazily in the process that uses it (credentials not giv
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import re
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from urllib.parse import urlsplit
 from pyarrow import fs as pafs
 
 from hvd_spark.data import filesystems
-from hvd_spark.data.filesystems import filesystem_from_url
+from hvd_spark.data.filesystems import filesystem_from_url, join_url
 from hvd_spark.data.store_files import StoreFiles
 from hvd_spark.errors import ConfigError
 
@@ -49,25 +48,6 @@ LOGS_SUBDIR = "logs"
 SPEC_FILE = "spec.json"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._=-][A-Za-z0-9._=+-]*$")
 _PATH_KINDS = ("train", "val", "test", "runs")
-
-
-def join_url(url: str, *parts: str) -> str:
-    """Join path ``parts`` onto ``url``, keeping its scheme, host and query string.
-
-    Args:
-        url: A local path or a URL such as ``s3://bucket/prefix?endpoint_override=...``.
-        *parts: Relative path components (``/``-separated).
-
-    Returns:
-        The joined path or URL.
-    """
-    parts = tuple(p.strip("/") for p in parts if p)
-    if url.startswith("dbfs:"):
-        url = filesystems.local_path(url)
-    if filesystems.is_local(url) and not url.startswith("file:"):
-        return os.path.join(url, *parts)
-    split = urlsplit(url)
-    return filesystems.unsplit(split._replace(path=posixpath.join(split.path or "/", *parts)))
 
 
 class Store(StoreFiles):

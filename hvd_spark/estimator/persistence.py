@@ -19,8 +19,7 @@ import cloudpickle
 from pyarrow import fs as pafs
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
-from hvd_spark.data.filesystems import filesystem_from_url
-from hvd_spark.data.store import join_url
+from hvd_spark.data.filesystems import filesystem_from_url, join_url
 from hvd_spark.errors import ConfigError
 
 _METADATA_FILE = "part-00000"
