@@ -183,6 +183,22 @@ class StoreFiles:
         """
         return _Syncer(self, self.get_run_path(run_id))
 
+    def copy(self, lpath: str, rpath: str, recursive: bool = False) -> None:
+        """Upload local file ``lpath`` to ``rpath``, or (``recursive``) a directory's contents.
+
+        As Horovod's ``FilesystemStore.copy``: the files inside ``lpath`` land directly under
+        ``rpath``, also when ``rpath`` exists already.
+        """
+        if os.path.isdir(lpath):
+            if not recursive:
+                raise ConfigError(f"{lpath!r} is a directory: pass recursive=True to copy it")
+            _Syncer(self, rpath)(lpath)
+        elif os.path.isfile(lpath):
+            with open(lpath, "rb") as src:
+                self.write_bytes(rpath, src.read())
+        else:
+            raise ConfigError(f"copy needs an existing local file or directory, got {lpath!r}")
+
     def to_remote(self, run_id: str, dataset_idx: int | None) -> SimpleNamespace:
         """A plain view of the paths and functions of ``run_id`` (Horovod's RemoteStore)."""
         return SimpleNamespace(

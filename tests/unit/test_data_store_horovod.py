@@ -143,6 +143,22 @@ def test_sync_fn_uploads_new_and_changed_files(tmp_path):
         sync(str(tmp_path / "nope"))
 
 
+def test_copy_uploads_a_file_or_a_directory_tree(tmp_path):
+    store = Store.create(str(tmp_path / "store"))
+    local = tmp_path / "local"
+    (local / "sub").mkdir(parents=True)
+    (local / "a.txt").write_text("a")
+    (local / "sub" / "b.txt").write_text("b")
+    store.copy(str(local / "a.txt"), store.get_run_path("r") + "/one.txt")
+    assert store.read("runs/r/one.txt") == b"a"
+    store.copy(str(local), "runs/r/tree", recursive=True)
+    assert store.read("runs/r/tree/a.txt") == b"a" and store.read("runs/r/tree/sub/b.txt") == b"b"
+    with pytest.raises(ConfigError, match="pass recursive=True"):
+        store.copy(str(local), "runs/r/x")
+    with pytest.raises(ConfigError, match="existing local file"):
+        store.copy(str(tmp_path / "missing"), "runs/r/x")
+
+
 def test_local_output_dir_and_to_remote(tmp_path):
     store = Store.create(str(tmp_path))
     with store.get_local_output_dir_fn("r")() as out:
