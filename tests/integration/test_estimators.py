@@ -158,3 +158,63 @@ def test_keras_learns_saves_and_loads(frames, tmp_path):
     a = [r["label_f__output"] for r in out.orderBy("a").collect()]
     b = [r["label_f__output"] for r in loaded.transform(test).orderBy("a").collect()]
     assert np.allclose(a, b)
+
+
+def test_torch_keeps_the_optimizers_param_groups(frames, tmp_path):
+    import torch
+
+    train, _, _ = frames
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    first, last = model[0], model[2]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD([{"params": first.parameters(), "lr": 0.0},
+                                 {"params": last.parameters(), "lr": 0.1}], momentum=0.9)
+    fitted = _torch_estimator(tmp_path, model=model, optimizer=optimizer, epochs=1).fit(train)
+    after = fitted.getModel().state_dict()
+    assert torch.equal(after["0.weight"], before["0.weight"]), "lr=0 group must not move"
+    assert not torch.equal(after["2.weight"], before["2.weight"]), "lr=0.1 group must move"
+    trained = fitted.getOptimizer()
+    assert [g["lr"] for g in trained.param_groups] == [0.0, 0.1]
+    assert all(g["momentum"] == 0.9 for g in trained.param_groups)
+    assert trained.param_groups[1]["params"][0] is fitted.getModel()[2].weight
+    assert trained.state[fitted.getModel()[2].weight]["momentum_buffer"] is not None
+
+
+def test_torch_transformation_fn_applies_to_every_batch(frames, tmp_path):
+    train, test, _ = frames
+
+    def invert_labels(batch):  # Horovod's transformation_fn, on a dict of numpy arrays
+        batch["label"] = 1 - batch["label"]
+        return batch
+
+    fitted = _torch_estimator(tmp_path, transformation_fn=invert_labels, epochs=2,
+                              inmemory_cache_all=True).fit(train)
+    assert _accuracy(fitted.transform(test), "label__output") < 0.1
+
+
+def test_torch_input_shapes_that_do_not_fit_the_column_name_it(frames, tmp_path):
+    train, _, _ = frames
+    with pytest.raises(ConfigError, match=r"input_shapes \(column 'features'\).*holds 5 values"):
+        _torch_estimator(tmp_path, input_shapes=[[-1, 5]]).fit(train)
+
+
+def test_torch_fit_on_parquet_with_horovods_prepare_data(frames, tmp_path):
+    from hvd_spark.data import LocalStore
+    from hvd_spark.data.dataset_index import prepare_data
+
+    train, test, _ = frames
+    store = LocalStore(str(tmp_path / "store"))
+    est = _torch_estimator(tmp_path, store=store, num_proc=None, input_shapes=[[-1, 4]])
+    est.setBackend(hvd_spark_backend(2))
+    with prepare_data(2, store, train, label_columns=["label"], feature_columns=["features"],
+                      validation=0.2) as dataset_idx:
+        fitted = est.fit_on_parquet(dataset_idx=dataset_idx)
+    assert _accuracy(fitted.transform(test), "label__output") > 0.9
+    assert "validation" in fitted.getHistory()[-1]
+
+
+def hvd_spark_backend(num_proc: int):
+    from hvd_spark import SparkBackend
+
+    return SparkBackend(num_proc=num_proc)
