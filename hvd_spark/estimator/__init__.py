@@ -1,9 +1,10 @@
-"""Spark ML Estimators that train with hvd_spark: ``TorchEstimator``, ``KerasEstimator``.
+"""Spark ML Estimators that train with hvd_spark: ``TorchEstimator``, ``KerasEstimator``,
+``LightningEstimator`` (also as ``hvd_spark.estimator.lightning.TorchEstimator``, Horovod's name).
 
 ``SparkBackend`` (and the ``Backend`` base) are re-exported from ``hvd_spark.runner``, so
 Horovod's ``backend=SparkBackend(...)`` works with the Estimators' import.
 
-Importing this package needs pyspark but neither torch nor TensorFlow.
+Importing this package needs pyspark but neither torch, TensorFlow nor Lightning.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "Backend", "KerasEstimator", "KerasModel", "SparkBackend", "TorchEstimator", "TorchModel",
+    "Backend", "KerasEstimator", "KerasModel", "LightningEstimator", "LightningModel",
+    "SparkBackend", "TorchEstimator", "TorchModel",
 ]
 
 
@@ -24,6 +26,10 @@ def __getattr__(name: str) -> Any:
         from hvd_spark.estimator import keras as keras_adapter
 
         return getattr(keras_adapter, name)
+    if name in ("LightningEstimator", "LightningModel"):
+        from hvd_spark.estimator import lightning as lightning_adapter
+
+        return getattr(lightning_adapter, name)
     if name in ("Backend", "SparkBackend"):
         from hvd_spark.runner import backend
 

@@ -181,11 +181,16 @@ class KeywordParams(Params):
             )
         values = {k: v for k, v in kwargs.items() if v is not None}
         defaults = {name: default for name, _, _, default in self._param_specs}
+        ignored = self._ignored()
         for name, value in values.items():
-            if name in IGNORED and value != defaults.get(name):
+            if name in ignored and value != defaults.get(name):
                 log.info("%s: %s=%r is accepted for Horovod compatibility and ignored: %s",
-                         type(self).__name__, name, value, IGNORED[name])
+                         type(self).__name__, name, value, ignored[name])
         return self._set(**values)
+
+    def _ignored(self) -> dict[str, str]:
+        """Params that do nothing for this class -> why (logged when set)."""
+        return dict(IGNORED)
 
     def value(self, name: str) -> Any:
         """The Param's value (set or default) by its name."""

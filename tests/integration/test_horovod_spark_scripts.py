@@ -164,3 +164,88 @@ def test_horovod_keras_spark_mnist_script(spark, tmp_path):
         assert events and not (tmp_path / "tb").exists(), (split, store.list_files(logs))
     assert keras_model.getCustomObjects() is None or keras_model.getCustomObjects() == {}
     assert isinstance(keras_model.getOptimizer(), keras.optimizers.Adam)
+
+
+def test_horovod_pytorch_lightning_spark_mnist_script(spark, tmp_path):
+    # --- the only lines that differ from the Horovod script: its imports ---------------
+    # Horovod: import horovod.spark.lightning as hvd
+    import hvd_spark.estimator.lightning as hvd  # noqa: I001 - kept in the script's order
+
+    # Horovod: from horovod.spark.common.backend import SparkBackend
+    from hvd_spark import SparkBackend
+
+    # Horovod: from horovod.spark.common.store import Store
+    from hvd_spark.data import Store
+
+    # --- the Horovod script (validation_epoch_end dropped: Lightning 2 removed it) -------
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import torch.optim as optim
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.sql.functions import udf
+    from pyspark.sql.types import DoubleType
+    from pytorch_lightning import Callback, LightningModule
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    train_df, test_df = _mnist_like(spark, tmp_path)
+    store = Store.create(str(tmp_path / "work"))
+
+    class Net(LightningModule):
+        def __init__(self, kernel_size):
+            super().__init__()
+            self.save_hyperparameters()
+            self.conv = nn.Conv2d(1, 4, kernel_size=kernel_size)
+            self.fc = nn.Linear(4 * 6 * 6, 10)
+
+        def forward(self, x):
+            x = x.float().reshape((-1, 1, 28, 28))
+            x = F.relu(F.max_pool2d(self.conv(x), 4))
+            return F.log_softmax(self.fc(x.view(-1, 4 * 6 * 6)), -1)
+
+        def configure_optimizers(self):
+            return optim.SGD(self.parameters(), lr=0.1, momentum=0.5)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch["features"], batch["label"]
+            loss = F.nll_loss(self(x), y.long())
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch["features"], batch["label"]
+            self.log("val_loss", F.nll_loss(self(x), y.long()))
+
+    class CountEpochs(Callback):
+        def __init__(self):
+            self.train_epoch_ends = 0
+
+        def on_train_epoch_end(self, trainer, model):
+            self.train_epoch_ends += 1
+
+    torch.manual_seed(0)
+    model = Net(5)
+    backend = SparkBackend(num_proc=2, stdout=sys.stdout, stderr=sys.stderr,
+                           prefix_output_with_timestamp=True)
+    callbacks = [CountEpochs(), ModelCheckpoint(monitor="val_loss", mode="min", save_top_k=1)]
+    torch_estimator = hvd.TorchEstimator(
+        backend=backend, store=store, model=model, input_shapes=[[-1, 1, 28, 28]],
+        feature_cols=["features"], label_cols=["label"], batch_size=32, epochs=4,
+        validation=0.1, verbose=1, callbacks=callbacks)
+    torch_model = torch_estimator.fit(train_df).setOutputCols(["label_prob"])
+
+    pred_df = torch_model.transform(test_df)
+    argmax = udf(lambda v: float(np.argmax(v)), returnType=DoubleType())
+    pred_df = pred_df.withColumn("label_pred", argmax(pred_df.label_prob))
+    evaluator = MulticlassClassificationEvaluator(predictionCol="label_pred", labelCol="label",
+                                                  metricName="accuracy")
+    accuracy = evaluator.evaluate(pred_df)
+    # --- end of the script --------------------------------------------------------------
+
+    assert accuracy > 0.9, accuracy
+    assert set(torch_model.getHistory()) >= {"train_loss", "val_loss"}  # logged_metrics
+    epochs = torch_model.getEpochHistory()
+    assert [e["epoch"] for e in epochs] == [1, 2, 3, 4]
+    assert epochs[-1]["val_loss"] < epochs[0]["val_loss"]
+    assert isinstance(torch_model.getModel(), Net) and torch_model.getOptimizer() is None
+    assert store.list_checkpoints(torch_model.getRunId()) == [0, 1, 2, 3]
