@@ -218,3 +218,40 @@ def hvd_spark_backend(num_proc: int):
     from hvd_spark import SparkBackend
 
     return SparkBackend(num_proc=num_proc)
+
+
+def test_keras_checkpoint_callback_label_shapes_and_backend_env(frames, tmp_path):
+    import os
+    import pickle
+
+    import keras
+
+    from hvd_spark.data import Store
+
+    train, _, _ = frames
+    train = train.withColumn("label_f", F.col("label").cast("double"))
+
+    class NeedsEnv(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            if os.environ.get("HVD_SPARK_TEST_FLAG") != "on":
+                raise RuntimeError("backend_env did not reach the rank")
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+    # The best epoch by the highest loss is the first: the fitted model must get its weights.
+    best = keras.callbacks.ModelCheckpoint("best.keras", monitor="loss", mode="max",
+                                           save_best_only=True)
+    store = Store.create(str(tmp_path / "store"))
+    fitted = KerasEstimator(
+        num_proc=2, model=model, optimizer=keras.optimizers.Adam(0.05),
+        loss="binary_crossentropy", loss_weights=[1.0], feature_cols=["features"],
+        label_cols=["label_f"], label_shapes=[[-1, 1]], batch_size=32, epochs=3, store=store,
+        run_id="kc", checkpoint_callback=best, callbacks=[NeedsEnv()],
+        backend_env={"HVD_SPARK_TEST_FLAG": "on"}, verbose=0).fit(train)
+    history = fitted.getHistory()
+    assert history["loss"][0] > history["loss"][-1]
+    first = pickle.loads(store.read_bytes(f"{store.checkpoints_path('kc')}/epoch-000000.ckpt"))
+    last = pickle.loads(store.latest_checkpoint("kc")[1])
+    got = fitted.getModel().get_weights()
+    assert all(np.allclose(a, b) for a, b in zip(got, first["weights"]))
+    assert not all(np.allclose(a, b) for a, b in zip(got, last["weights"]))
