@@ -2,76 +2,100 @@
 
 ``import hvd_spark.tensorflow as hvd`` (or ``hvd_spark.tensorflow.keras``, or
 ``hvd_spark.keras``: same names) gives ``init``, ``rank``, ``size``, tensor
-collectives that work eagerly and inside ``tf.function``, ``DistributedGradientTape``,
-``DistributedOptimizer`` for Keras 3 optimizers, ``callbacks`` and ``Compression``.
+collectives that work eagerly, inside ``tf.function`` and in TF1-style sessions,
+process sets, ``DistributedGradientTape``, ``DistributedOptimizer`` for Keras 3
+optimizers, ``SyncBatchNormalization``, ``callbacks``, ``elastic`` state and
+``Compression``.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from hvd_spark import collectives as _C
 from hvd_spark.collectives import (
+    Adasum,
     Average,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     Max,
     Min,
+    ProcessSet,
     Product,
     ReduceOp,
     Sum,
+    ccl_built,
     cross_rank,
     cross_size,
-    init,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     rank,
+    rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
-from hvd_spark.tensorflow import callbacks
+from hvd_spark.tensorflow import callbacks, elastic
 from hvd_spark.tensorflow.compression import Compression, Compressor
-from hvd_spark.tensorflow.gradient_tape import DistributedGradientTape
-from hvd_spark.tensorflow.ops import (
+from hvd_spark.tensorflow.functions import (
+    add_process_set,
+    allgather_object,
+    barrier,
+    broadcast_global_variables,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+    init,
+    join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    remove_process_set,
+    size_op,
+)
+from hvd_spark.tensorflow.gather_ops import (
     allgather,
-    allreduce,
     alltoall,
     broadcast,
-    broadcast_variables,
+    broadcast_,
+    grouped_allgather,
+)
+from hvd_spark.tensorflow.gradient_tape import (
+    DistributedGradientTape,
+    PartialDistributedGradientTape,
+)
+from hvd_spark.tensorflow.kernel import executing_eagerly as _executing_eagerly  # noqa: F401
+from hvd_spark.tensorflow.ops import (
+    allreduce,
     grouped_allreduce,
+    grouped_reducescatter,
     reducescatter,
 )
-from hvd_spark.tensorflow.optimizer import DistributedOptimizer
-
-
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
-    """Return root's picklable ``obj`` on every rank."""
-    return _C.broadcast_object(obj, root_rank, name)
-
-
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Return every rank's picklable ``obj``, in rank order."""
-    return _C.allgather_object(obj, name)
-
-
-def barrier(name: str | None = None) -> None:
-    """Return once every rank has called ``barrier``."""
-    _C.barrier(name)
-
-
-def join() -> int:
-    """Wait until every rank has called ``join``; returns -1.
-
-    Unlike Horovod, ranks that joined do not stand in for the others' later
-    collectives: give every rank the same number of batches (the data reader does).
-    """
-    _C.barrier("hvd_spark.join")
-    return -1
-
+from hvd_spark.tensorflow.optimizer import DistributedOptimizer, load_model
+from hvd_spark.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 __all__ = [
-    "Average", "Compression", "Compressor", "DistributedGradientTape", "DistributedOptimizer",
-    "Max", "Min", "Product", "ReduceOp", "Sum", "allgather", "allgather_object", "allreduce",
-    "alltoall", "barrier", "broadcast", "broadcast_object", "broadcast_variables", "callbacks",
-    "cross_rank", "cross_size", "grouped_allreduce", "init", "is_initialized", "join",
-    "local_rank", "local_size", "rank", "reducescatter", "shutdown", "size",
+    "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
+    "DistributedOptimizer", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
+    "PartialDistributedGradientTape", "ProcessSet", "Product", "ReduceOp", "Sum",
+    "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object", "allreduce",
+    "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_global_variables",
+    "broadcast_object", "broadcast_object_fn", "broadcast_variables", "callbacks", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic", "gloo_built",
+    "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allreduce",
+    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "load_model",
+    "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op",
+    "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
+    "start_timeline", "stop_timeline",
 ]

@@ -1,4 +1,5 @@
-"""Keras callbacks for data-parallel training: broadcast, metric averaging, LR warmup."""
+"""Keras callbacks for data-parallel training: broadcast, metric averaging, LR schedules,
+best-model checkpoints."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from hvd_spark import collectives as C
 from hvd_spark.errors import ConfigError
-from hvd_spark.tensorflow.ops import broadcast_variables, check_same_everywhere
+from hvd_spark.tensorflow.functions import broadcast_variables, check_same_everywhere
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +150,104 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         epoch = self._epoch + batch / self.steps_per_epoch
         if epoch > self.warmup_epochs:
             return
-        optimizer = self._optimizer()
-        old = float(np.asarray(optimizer.learning_rate))
         new = self._lr_at(epoch)
-        optimizer.learning_rate = new
-        if self.momentum_correction and old > 0 and new != old:
-            for buffer in getattr(optimizer, "momentums", None) or []:
-                buffer.assign(buffer * (new / old))
+        set_learning_rate(self._optimizer(), new, self.momentum_correction)
         if self.verbose and epoch + 1.0 / self.steps_per_epoch > self.warmup_epochs:
             log.info("epoch %d: finished learning-rate warmup at %g", self._epoch, new)
+
+
+def set_learning_rate(optimizer: Any, new: float, momentum_correction: bool) -> None:
+    """Set a float learning rate; with ``momentum_correction`` scale SGD's momentum buffers.
+
+    Keras 3 compiles the momentum coefficient into the step as a constant, so Goyal et
+    al.'s correction (momentum * new_lr / old_lr for the changing step) is applied to the
+    buffers instead, which has the same effect on the next update.
+    """
+    old = float(np.asarray(optimizer.learning_rate))
+    optimizer.learning_rate = new
+    if momentum_correction and old > 0 and new != old:
+        for buffer in getattr(optimizer, "momentums", None) or []:
+            buffer.assign(buffer * (new / old))
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` between two epochs.
+
+    Args:
+        initial_lr: The base (already size-scaled) learning rate.
+        multiplier: A constant (exponential decay: ``multiplier ** (epoch - start_epoch)``)
+            or a function of the (fractional, unless ``staircase``) epoch.
+        start_epoch: First epoch of the schedule.
+        end_epoch: The epoch it stops before (None: never).
+        staircase: Change the rate at epoch starts only; else at every batch.
+        momentum_correction: Scale SGD's momentum buffers when the rate changes.
+        steps_per_epoch: Batches per epoch (needed without staircase); taken from
+            ``model.fit``'s params if None.
+    """
+
+    def __init__(self, initial_lr: float, multiplier: Any, start_epoch: int = 0,
+                 end_epoch: int | None = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None) -> None:
+        super().__init__()
+        if initial_lr is None:
+            raise ConfigError("LearningRateScheduleCallback: initial_lr is required")
+        self.initial_lr = float(initial_lr)
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            factor = float(multiplier)
+            self.multiplier = lambda epoch: factor ** (epoch - start_epoch)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self._epoch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+            if not self.steps_per_epoch:
+                raise ConfigError("LearningRateScheduleCallback: pass steps_per_epoch "
+                                  "(model.fit did not say)")
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._epoch < self.start_epoch or (
+                self.end_epoch is not None and self._epoch >= self.end_epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._set(self._epoch)
+        else:
+            self._set(self._epoch + batch / self.steps_per_epoch)
+
+    def _set(self, epoch: float) -> None:
+        set_learning_rate(self.model.optimizer, self.initial_lr * self.multiplier(epoch),
+                          self.momentum_correction)
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keep only the best model so far (``ModelCheckpoint`` with ``save_best_only``).
+
+    Horovod's Spark estimators set ``filepath`` themselves; elsewhere pass it (or set the
+    ``filepath`` attribute before training).
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0,
+                 save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: Any = "epoch", filepath: str | None = None) -> None:
+        placeholder = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=filepath or placeholder, monitor=monitor, verbose=verbose,
+                         save_best_only=True, save_weights_only=save_weights_only,
+                         mode=mode, save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if not self.filepath:
+            raise ConfigError("BestModelCheckpoint: set filepath (the file the best model "
+                              "goes to) before training")
+        super().on_train_begin(logs)

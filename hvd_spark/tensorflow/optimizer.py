@@ -1,22 +1,23 @@
-"""``DistributedOptimizer`` for Keras 3 optimizers.
+"""``DistributedOptimizer`` for Keras 3 optimizers, and ``load_model``.
 
 The wrapper is a subclass of the optimizer's own class, made on the fly
 (``DistributedSGD``, ``DistributedAdam``, ...), so ``model.compile``, saving and every
-hyperparameter keep working. It reduces the gradients across ranks in one fused
-collective before the optimizer uses them, inside the compiled ``train_function``
+hyperparameter keep working. It reduces the gradients across ranks in fused
+collectives before the optimizer uses them, inside the compiled ``train_function``
 of ``model.fit`` as well as eagerly:
 
 - ``backward_passes_per_step == 1``: in ``apply`` (what ``apply_gradients`` and
   ``model.fit`` call), before loss-scale unscaling, clipping and the update.
 - ``backward_passes_per_step == n > 1``: Keras's own ``gradient_accumulation_steps=n``
-  accumulates locally and the reduction runs only on the n-th step, on the averaged
-  accumulated gradients, just before clipping.
+  accumulates locally and the reduction runs only on the n-th step, just before
+  clipping. Keras hands over the *mean* of the n gradients; as in Horovod, the update
+  uses their *sum* unless ``average_aggregated_gradients=True``.
 
 Saving: each class is registered with Keras as ``hvd_spark>Distributed<Name>``; the
 built-in optimizers are registered when this module is imported, so
-``keras.models.load_model`` works after ``import hvd_spark.tensorflow``. For a custom
-optimizer class, call ``DistributedOptimizer`` on one instance (or pass
-``custom_objects``) before loading.
+``keras.models.load_model`` (or ``load_model`` here) works after
+``import hvd_spark.tensorflow``. For a custom optimizer class, call
+``DistributedOptimizer`` on one instance (or pass ``custom_objects``) before loading.
 """
 
 from __future__ import annotations
@@ -25,17 +26,32 @@ import inspect
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from hvd_spark import collectives as C
 from hvd_spark.collectives.ops import ReduceOp
+from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
 from hvd_spark.errors import ConfigError
 from hvd_spark.tensorflow.compression import Compression, Compressor, compression_name
-from hvd_spark.tensorflow.gradients import allreduce_gradients, check_reduce_args
-from hvd_spark.tensorflow.ops import check_same_everywhere
+from hvd_spark.tensorflow.functions import check_same_everywhere
+from hvd_spark.tensorflow.gradients import GradientReducer, check_reduce_args, make_groups
 
 _CONFIG_KEY = "hvd_spark"
 _GRADS_NAME = "DistributedOptimizer.grads"
 _CLASSES: dict[type, type] = {}
+# Settings that survive get_config (a process set or lists of variables do not).
+_SAVED = ("compression", "op", "gradient_predivide_factor", "sparse_as_dense",
+          "average_aggregated_gradients", "scale_local_gradients")
+
+
+class _Seen:
+    """The variables of the current apply, out of sight of Keras's variable tracking.
+
+    (An optimizer attribute holding a list of variables would make them optimizer
+    variables, saved and counted with its own.)
+    """
+
+    variables: list | None = None
 
 
 class _DistributedMixin:
@@ -44,35 +60,51 @@ class _DistributedMixin:
     def __init__(self, *args: Any, hvd_spark: dict | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         settings = dict(hvd_spark or {})
-        compression = settings.get("compression", "none")
-        self._hvd_compression = getattr(Compression, compression)
-        self._hvd_op = check_reduce_args(
+        groups = settings.get("groups")
+        self._hvd_settings = settings
+        self._hvd_reducer = GradientReducer(
+            _GRADS_NAME, getattr(Compression, settings.get("compression", "none")),
             ReduceOp(settings.get("op", int(ReduceOp.Average))),
-            float(settings.get("gradient_predivide_factor", 1.0)), "DistributedOptimizer")
-        self._hvd_predivide = float(settings.get("gradient_predivide_factor", 1.0))
+            float(settings.get("gradient_predivide_factor", 1.0)),
+            bool(settings.get("sparse_as_dense", False)), groups,
+            settings.get("process_set", global_process_set),
+            bool(settings.get("scale_local_gradients", True)))
+        self._hvd_average_aggregated = bool(settings.get("average_aggregated_gradients", False))
         self._hvd_accumulating = bool(self.gradient_accumulation_steps)
         self._hvd_checked = False
+        self._hvd_seen = _Seen()
 
-    def _hvd_check(self, grads: list, variables: Any) -> None:
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient on this rank (no allreduce), as Horovod's optimizer."""
+        self._hvd_reducer.register_local_source(var)
+
+    def _hvd_check(self, grads: list, variables: list | None) -> None:
         # Once, at the first (trace of) apply, which every rank reaches at the same
         # step: a different model becomes a clear error here, not a fused-buffer
         # size mismatch deep inside a graph error. Paths may differ between ranks
         # (Keras numbers layer names per process), so only shapes and dtypes count.
         self._hvd_checked = True
-        if C.size() == 1:
+        ps = self._hvd_reducer.process_set
+        if C.size() == 1 or (ps is not global_process_set and not ps.included()):
             return
-        variables = list(variables) if variables is not None else self._trainable_variables
+        variables = variables if variables is not None else self._trainable_variables
         signature = [(tuple(v.shape), str(v.dtype)) for g, v in zip(grads, variables)
-                     if g is not None]
-        check_same_everywhere(signature, "DistributedOptimizer.check", "DistributedOptimizer")
+                     if g is not None and not self._hvd_reducer.is_local(v)]
+        check_same_everywhere(signature, "DistributedOptimizer.check", "DistributedOptimizer",
+                              ps)
 
     def _hvd_reduce(self, grads: list) -> list:
-        return allreduce_gradients(grads, _GRADS_NAME, self._hvd_compression, self._hvd_op,
-                                   self._hvd_predivide)
+        variables = self._hvd_seen.variables
+        if variables is None or len(variables) != len(grads):
+            variables = [None] * len(grads)
+        return self._hvd_reducer.reduce(grads, variables)
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         """Reduce ``grads`` across ranks (unless accumulating), then apply them."""
         grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        self._hvd_seen.variables = trainable_variables
         if not self._hvd_checked and grads:
             self._hvd_check(grads, trainable_variables)
         if not self._hvd_accumulating and grads:
@@ -80,21 +112,28 @@ class _DistributedMixin:
         return super().apply(grads, trainable_variables)
 
     def _clip_gradients(self, grads: list) -> list:
-        # Keras calls this exactly once per real update, with the averaged
+        # Keras calls this exactly once per real update, with the mean of the
         # accumulated gradients: the one place to reduce when accumulating.
         if self._hvd_accumulating:
-            grads = self._hvd_reduce(list(grads))
+            grads = list(grads)
+            if not self._hvd_average_aggregated:
+                steps = self.gradient_accumulation_steps  # Horovod applies the sum
+                grads = [None if g is None else g * tf.cast(steps, g.dtype) for g in grads]
+            grads = self._hvd_reduce(grads)
         return super()._clip_gradients(grads)
 
     def get_config(self) -> dict:
-        """The wrapped optimizer's config plus this wrapper's settings."""
+        """The wrapped optimizer's config plus this wrapper's (serialisable) settings."""
         config = super().get_config()
-        config[_CONFIG_KEY] = {
-            "compression": compression_name(self._hvd_compression),
-            "op": int(self._hvd_op),
-            "gradient_predivide_factor": self._hvd_predivide,
-        }
+        config[_CONFIG_KEY] = _saved_settings(self._hvd_settings)
         return config
+
+
+def _saved_settings(settings: dict) -> dict:
+    saved = {k: settings[k] for k in _SAVED if k in settings}
+    if isinstance(settings.get("groups"), int):
+        saved["groups"] = settings["groups"]
+    return saved
 
 
 def distributed_class(base: type) -> type:
@@ -118,25 +157,36 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     optimizer: keras.optimizers.Optimizer, name: str | None = None,
     device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
-    backward_passes_per_step: int = 1, op: ReduceOp = ReduceOp.Average,
-    gradient_predivide_factor: float = 1.0,
+    gradient_predivide_factor: float = 1.0, op: ReduceOp = ReduceOp.Average,
+    backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+    num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
 ) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so gradients are reduced across ranks before each update.
 
     Wrap before training: the new optimizer is rebuilt from ``optimizer.get_config()``
-    (its slots start empty). Scale the learning rate by ``size()`` as usual.
+    (its slots start empty). Scale the learning rate by ``size()`` as usual. The
+    arguments are those of Horovod's ``horovod.tensorflow.keras.DistributedOptimizer``,
+    in its order.
 
     Args:
         optimizer: A ``keras.optimizers.Optimizer`` (``tf.keras.optimizers.*`` in TF 2.16+).
         name: Optional new name of the optimizer.
         device_dense, device_sparse: Accepted for Horovod compatibility; ignored.
         compression: ``Compression.none`` or ``Compression.fp16``.
-        sparse_as_dense: Accepted for compatibility: sparse gradients are always densified.
-        backward_passes_per_step: Accumulate this many batches locally, then reduce
-            and apply once (Keras's ``gradient_accumulation_steps``).
-        op: ``Average`` (default) or ``Sum``.
+        sparse_as_dense: Densify ``tf.IndexedSlices`` gradients (else they are allgathered).
         gradient_predivide_factor: Divide by this before summing and by
             ``size / factor`` after (Average only).
+        op: ``Average`` (default), ``Sum`` or ``Adasum``.
+        backward_passes_per_step: Accumulate this many batches locally, then reduce
+            and apply once (Keras's ``gradient_accumulation_steps``).
+        average_aggregated_gradients: With ``backward_passes_per_step > 1``, apply the
+            mean of the accumulated gradients instead of their sum (Horovod's default).
+        num_groups: Deprecated: split the gradients into this many fused operations.
+        groups: An int (as ``num_groups``) or lists of variables fused together.
+        process_set: The ranks that average their gradients.
+        scale_local_gradients: Divide the gradients of ``register_local_var`` variables
+            by the set's size.
 
     Returns:
         An optimizer of class ``Distributed<OptimizerClass>``, usable in ``model.compile``.
@@ -144,7 +194,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     Raises:
         ConfigError: ``optimizer`` is not a Keras 3 optimizer, or a bad setting.
     """
-    del device_dense, device_sparse, sparse_as_dense
+    del device_dense, device_sparse
     if isinstance(optimizer, _DistributedMixin):
         raise ConfigError("DistributedOptimizer: this optimizer is already distributed")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -175,8 +225,48 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         "compression": compression_name(compression),
         "op": int(op),
         "gradient_predivide_factor": float(gradient_predivide_factor),
+        "sparse_as_dense": bool(sparse_as_dense),
+        "average_aggregated_gradients": bool(average_aggregated_gradients),
+        "groups": make_groups(num_groups, groups, "DistributedOptimizer"),
+        "process_set": process_set,
+        "scale_local_gradients": bool(scale_local_gradients),
     }
     return distributed_class(type(optimizer)).from_config(config)
+
+
+def load_model(filepath: Any, custom_optimizers: list[type] | None = None,
+               custom_objects: dict | None = None,
+               compression: type[Compressor] = Compression.none,
+               legacy_opts: bool = False) -> keras.Model:
+    """Load a Keras model whose optimizer is distributed (wrapped if it was saved plain).
+
+    Args:
+        filepath: A ``.keras`` file (or what ``keras.models.load_model`` accepts).
+        custom_optimizers: Optimizer classes of the saved model that are not Keras's own.
+        custom_objects: As ``keras.models.load_model``.
+        compression: Compression of a newly wrapped optimizer.
+        legacy_opts: Horovod's flag for ``tf.keras.optimizers.legacy``; must be False
+            (Keras 3 has no legacy optimizers).
+
+    Raises:
+        ConfigError: ``legacy_opts=True``.
+    """
+    if legacy_opts:
+        raise ConfigError("load_model(legacy_opts=True): Keras 3 has no legacy optimizers")
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or ():
+        objects.setdefault(cls.__name__, cls)
+        distributed_class(cls)
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not isinstance(optimizer, _DistributedMixin):
+        wrapped = DistributedOptimizer(optimizer, compression=compression)
+        if optimizer.built:
+            wrapped.build(model.trainable_variables)
+            for mine, saved in zip(wrapped.variables, optimizer.variables):
+                mine.assign(saved)
+        model.optimizer = wrapped
+    return model
 
 
 def _register_builtins() -> None:

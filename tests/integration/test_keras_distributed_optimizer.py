@@ -99,15 +99,20 @@ def _training_worker(tmp: str) -> dict:
     out["bcast_first"], out["bcast_final"] = seen["first"], _weights(model)
     out["local_logs"], out["history"] = seen["local"], history.history
 
-    # backward_passes_per_step=2 on half batches == one process on batches 4x as large.
-    model, _ = _fit(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
-                                             backward_passes_per_step=2,
-                                             compression=hvd.Compression.fp16),
-                    xs, ys, GLOBAL_BATCH // n, seed=0)
-    out["bpps"] = [np.array(v) for v in model.variables]
-    if r == 0:
-        ref, _ = _fit(keras.optimizers.SGD(0.1), x, y, 2 * GLOBAL_BATCH, seed=0)
-        out["bpps_ref"] = [np.array(v) for v in ref.variables]
+    # backward_passes_per_step=2 on half batches: as in Horovod, the update uses the SUM
+    # of the 2 accumulated (rank-averaged) gradients, i.e. one process on batches 4x as
+    # large with twice the learning rate; average_aggregated_gradients=True uses the mean.
+    for key, average in (("bpps", False), ("bpps_avg", True)):
+        model, _ = _fit(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                 backward_passes_per_step=2,
+                                                 average_aggregated_gradients=average,
+                                                 compression=hvd.Compression.fp16),
+                        xs, ys, GLOBAL_BATCH // n, seed=0)
+        out[key] = [np.array(v) for v in model.variables]
+        if r == 0:
+            ref, _ = _fit(keras.optimizers.SGD(0.1 if average else 0.2), x, y,
+                          2 * GLOBAL_BATCH, seed=0)
+            out[f"{key}_ref"] = [np.array(v) for v in ref.variables]
 
     # Warmup: the rate ramps from lr/size to lr over 1 epoch of 4 batches.
     rates = []
@@ -161,10 +166,13 @@ def test_broadcast_and_metric_average_callbacks(results):
 
 def test_backward_passes_per_step_and_fp16(results):
     r0, r1 = results
-    for got, ref in zip(r0["bpps"], r0["bpps_ref"]):
-        np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4)  # fp16 on the wire
-    for a, b in zip(r0["bpps"], r1["bpps"]):
-        np.testing.assert_array_equal(a, b)
+    for key in ("bpps", "bpps_avg"):
+        for got, ref in zip(r0[key], r0[f"{key}_ref"]):
+            np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4)  # fp16 on the wire
+        for a, b in zip(r0[key], r1[key]):
+            np.testing.assert_array_equal(a, b)
+    # The two semantics really differ (sum = twice the step of the mean).
+    assert not np.allclose(r0["bpps"][0], r0["bpps_avg"][0], rtol=1e-3)
 
 
 def test_learning_rate_warmup(results):

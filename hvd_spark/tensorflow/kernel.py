@@ -1,0 +1,138 @@
+"""How a numpy collective becomes a TensorFlow operation, eagerly and inside graphs.
+
+Eagerly, the collective runs at once on numpy views of the tensors.
+
+Inside a graph (a ``tf.function`` or a TF1-style ``tf.compat.v1.Session``), each
+collective is one graph node whose kernel blocks until every rank has submitted the
+same name. TensorFlow runs ready nodes on a small inter-op thread pool (one thread per
+core), and a v1 graph gives independent nodes no order: with plain ``numpy_function``
+kernels, rank 0 could block every pool thread in collectives A and B while rank 1 blocks
+its threads in C and D, and nobody ever submits what the others wait for. Horovod avoids
+this with an asynchronous C++ kernel. A pure-Python package cannot write one, but tf.data
+has one: ``DatasetToSingleElement`` runs its dataset on a background thread of its own
+and frees the pool thread at once. So a graph collective is a one-element dataset whose
+map function (run inline on that background thread, ``use_inter_op_parallelism=False``)
+calls the numpy collective. Any number of collectives can then wait at the same time, in
+any order per rank, and the engine matches them by name: no deadlock, whatever the pool
+size. Names are fixed when the node is built (see ``graph_name``), so every execution
+asks for the same names on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_spark import collectives as C
+from hvd_spark.errors import CollectiveArgumentError
+
+try:  # the one private TensorFlow name used: a map that runs inline (no inter-op pool)
+    from tensorflow.python.data.ops.map_op import _MapDataset
+except ImportError:  # pragma: no cover - other TensorFlow versions
+    _MapDataset = None
+
+_DATA_OPTIONS = tf.data.Options()
+_DATA_OPTIONS.experimental_optimization.apply_default_optimizations = False
+_DATA_OPTIONS.autotune.enabled = False
+
+
+def graph_name(kind: str, name: str | None) -> str | None:
+    """The engine name of one op: the user's, a graph-unique one fixed now, or None (eager).
+
+    Inside a graph the name is taken when the node is built, in program order, so the
+    ranks agree on it however the runtime orders the nodes later.
+    """
+    if name is not None:
+        return name
+    if tf.executing_eagerly():
+        return None  # the collectives number unnamed eager calls in program order
+    return tf.compat.v1.get_default_graph().unique_name(f"hvd_{kind}", mark_as_used=True)
+
+
+@functools.cache
+def _tf_error_class(base: type) -> type:
+    """``base`` that is also a ``tf.errors.FailedPreconditionError``, as Horovod raises."""
+
+    def init(self, message: str) -> None:
+        base.__init__(self, message)
+        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+
+    def text(self) -> str:
+        return self.message
+
+    return type(base.__name__, (base, tf.errors.FailedPreconditionError),
+                {"__init__": init, "__str__": text, "__module__": base.__module__})
+
+
+def as_tf_error(exc: CollectiveArgumentError) -> Exception:
+    """Ranks disagreeing on a collective's arguments: Horovod's ``FailedPreconditionError``.
+
+    The error keeps its hvd_spark class too, so ``except CollectiveError`` still works.
+    """
+    return _tf_error_class(type(exc))(str(exc))
+
+
+def run(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
+        touts: Sequence[tf.DType]) -> list[tf.Tensor]:
+    """Run the numpy collective ``fn`` on ``inputs``: now if eager, as a graph node otherwise.
+
+    Args:
+        fn: Takes one numpy array per input, returns one array per ``touts`` entry.
+        inputs: Tensors (or anything ``tf.convert_to_tensor`` takes).
+        touts: The dtypes of the outputs.
+
+    Returns:
+        One tensor per output (shapes unknown in graphs: callers set them).
+    """
+    if tf.executing_eagerly():
+        arrays = [np.asarray(t) for t in inputs]
+        try:
+            outs = fn(*arrays)
+        except CollectiveArgumentError as exc:
+            raise as_tf_error(exc) from exc
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts)]
+    inputs = [tf.convert_to_tensor(t) for t in inputs]
+    touts = list(touts)
+
+    def kernel(*arrays: np.ndarray) -> list[np.ndarray]:
+        outs = fn(*arrays)
+        return [np.asarray(o, dtype=d.as_numpy_dtype) for o, d in zip(outs, touts)]
+
+    def body(*ts: tf.Tensor):
+        return tuple(tf.numpy_function(kernel, list(ts), touts, stateful=True))
+
+    if _MapDataset is None:
+        return list(tf.numpy_function(kernel, inputs, touts, stateful=True))
+    source = tf.data.Dataset.from_tensors(tuple(inputs))
+    dataset = _MapDataset(source, body, use_inter_op_parallelism=False)
+    outs = dataset.with_options(_DATA_OPTIONS).get_single_element()
+    return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+
+def executing_eagerly() -> bool:
+    """True outside graphs (Horovod's ``_executing_eagerly``)."""
+    return tf.executing_eagerly()
+
+
+def scalar_op(value: Callable[[], int], name: str | None) -> tf.Tensor:
+    """An int32 tensor holding ``value()``, evaluated when the op runs (graphs) or now."""
+    if tf.executing_eagerly():
+        return tf.constant(value(), tf.int32, name=name)
+    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True, name=name)
+    out.set_shape([])
+    return out
+
+
+def members_size(process_set: C.ProcessSet) -> int:
+    """The number of ranks in ``process_set`` (the job's size for the global set)."""
+    if process_set is C.global_process_set:
+        return C.size()
+    n = process_set.size()
+    if n is None:
+        raise CollectiveArgumentError(
+            f"{process_set} was not added on this rank; call add_process_set first")
+    return n
