@@ -255,3 +255,34 @@ def test_keras_checkpoint_callback_label_shapes_and_backend_env(frames, tmp_path
     got = fitted.getModel().get_weights()
     assert all(np.allclose(a, b) for a, b in zip(got, first["weights"]))
     assert not all(np.allclose(a, b) for a, b in zip(got, last["weights"]))
+
+
+def test_torch_train_minibatch_fn_replaces_the_step(frames, tmp_path):
+    import torch
+
+    train, _, _ = frames
+
+    def make_minibatch():  # Horovod's train_minibatch_fn: returns the per-batch function
+        def forward_only(model, optimizer, transform_outputs, loss_fn, inputs, labels,
+                         sample_weights, backward_passes_per_step, batch_idx):
+            outputs, labels = transform_outputs(model(*inputs), labels)
+            return outputs, loss_fn(outputs, labels, sample_weights)
+
+        return forward_only
+
+    est = _torch_estimator(tmp_path, train_minibatch_fn=make_minibatch, epochs=1)
+    before = {k: v.clone() for k, v in est.getModel().state_dict().items()}
+    after = est.fit(train).getModel().state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "no step: weights unchanged"
+
+
+def test_keras_model_input_that_does_not_fit_the_column_names_it(frames, tmp_path):
+    import keras
+
+    train, _, _ = frames
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    est = KerasEstimator(num_proc=2, model=model, optimizer=keras.optimizers.SGD(),
+                         loss="mse", feature_cols=["features"], label_cols=["label"],
+                         store=str(tmp_path / "store"))
+    with pytest.raises(ConfigError, match="feature column 'features' holds 4 values per row"):
+        est.fit(train)

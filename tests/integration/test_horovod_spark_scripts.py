@@ -249,3 +249,21 @@ def test_horovod_pytorch_lightning_spark_mnist_script(spark, tmp_path):
     assert epochs[-1]["val_loss"] < epochs[0]["val_loss"]
     assert isinstance(torch_model.getModel(), Net) and torch_model.getOptimizer() is None
     assert store.list_checkpoints(torch_model.getRunId()) == [0, 1, 2, 3]
+
+
+def test_horovod_run_keywords_are_accepted(spark):
+    import os
+
+    import hvd_spark
+
+    def rank_env():
+        import hvd_spark.collectives as hvd
+
+        hvd.init()
+        return hvd.rank(), os.environ.get("HVD_SPARK_IFACE")
+
+    # Horovod: horovod.spark.run(fn, num_proc=2, use_gloo=True, nics=..., ...)
+    results = hvd_spark.run(rank_env, num_proc=2, use_gloo=True, use_mpi=False, nics={"lo"},
+                            extra_mpi_args="-x NCCL_DEBUG=INFO", executable=sys.executable,
+                            verbose=0)
+    assert results == [(0, "lo"), (1, "lo")]
