@@ -15,6 +15,7 @@ import cloudpickle
 
 from hvd_spark.errors import ConfigError
 from hvd_spark.estimator.base import MODEL_PARAMS, HvdEstimator, HvdModel, define
+from hvd_spark.estimator.lightning_strategy import lightning_package
 from hvd_spark.estimator.params import keyword_only_params
 from hvd_spark.estimator.torch_worker import metric_groups, torch_predictor, train_torch
 from hvd_spark.estimator.train_spec import batch_shape
@@ -171,6 +172,11 @@ class TorchEstimator(HvdEstimator):
         import torch
 
         model, optimizer = self.value("model"), self.value("optimizer")
+        if lightning_package(model):
+            raise ConfigError(
+                f"model is a LightningModule ({type(model).__name__}): train it with "
+                "LightningEstimator (Horovod's horovod.spark.lightning.TorchEstimator is "
+                "hvd_spark.estimator.lightning.TorchEstimator)")
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -24,3 +24,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(backend, name)
     raise AttributeError(f"module 'hvd_spark.runner' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names too, so that dir() and star-import style copies see them.
+    return sorted({*globals(), *__all__})

@@ -160,6 +160,14 @@ def test_torch_checks_name_the_parameter():
     with pytest.raises(ConfigError, match="label_shapes must hold one shape per label"):
         TorchEstimator(**_torch_kwargs(label_shapes=[[1], [2]])).fit(None)
 
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        pass
+
+    with pytest.raises(ConfigError, match="LightningModule.*hvd_spark.estimator.lightning"):
+        TorchEstimator(**_torch_kwargs(model=Module(), optimizer=None)).fit(None)
+
 
 class _Reader:
     """A stand-in for ShardReader: 3 batches of 4 rows per epoch, counting reads."""
