@@ -286,3 +286,16 @@ def test_keras_model_input_that_does_not_fit_the_column_names_it(frames, tmp_pat
                          store=str(tmp_path / "store"))
     with pytest.raises(ConfigError, match="feature column 'features' holds 4 values per row"):
         est.fit(train)
+
+
+def test_torch_fit_on_parquet_the_user_wrote_to_the_train_path(frames, tmp_path):
+    from pyspark.ml.functions import vector_to_array
+
+    from hvd_spark.data import LocalStore
+
+    train, test, _ = frames
+    store = LocalStore(str(tmp_path / "store"))
+    (train.select(vector_to_array("features").alias("features"), "label")
+     .write.parquet(store.get_train_data_path()))
+    fitted = _torch_estimator(tmp_path, store=store).fit_on_parquet()  # Horovod's default
+    assert _accuracy(fitted.transform(test), "label__output") > 0.9
