@@ -81,13 +81,18 @@ from hvd_spark.tensorflow.ops import (
     grouped_reducescatter,
     reducescatter,
 )
-from hvd_spark.tensorflow.optimizer import DistributedOptimizer, load_model
+from hvd_spark.tensorflow.optimizer import (
+    DistributedOptimizer,
+    PartialDistributedOptimizer,
+    load_model,
+)
 from hvd_spark.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
     "DistributedOptimizer", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
-    "PartialDistributedGradientTape", "ProcessSet", "Product", "ReduceOp", "Sum",
+    "PartialDistributedGradientTape", "PartialDistributedOptimizer", "ProcessSet", "Product",
+    "ReduceOp", "Sum",
     "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object", "allreduce",
     "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_global_variables",
     "broadcast_object", "broadcast_object_fn", "broadcast_variables", "callbacks", "ccl_built",

@@ -26,12 +26,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Args:
         root_rank: The rank whose state the others take.
         device: Accepted for Horovod compatibility; ignored.
+        local_variables: Variables that keep each rank's own value (model-parallel
+            parts); every rank must pass the same number of them.
     """
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+    def __init__(self, root_rank: int, device: str = "",
+                 local_variables: list | None = None) -> None:
         super().__init__()
         del device
         self.root_rank = int(root_rank)
+        self._local = {id(v) for v in local_variables or ()}
         self._done_with: int | None = None
 
     def _variables(self) -> list:
@@ -39,7 +43,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
             variables += list(optimizer.variables)
-        return variables
+        return [v for v in variables if id(v) not in self._local]
 
     def _broadcast(self) -> None:
         variables = self._variables()

@@ -118,3 +118,7 @@ class TensorFlowKerasState(TensorFlowState):
         if self.optimizer is not None:
             variables += list(self.optimizer.variables)
         super().__init__(variables, **kwargs)
+
+
+#: Horovod's name in ``horovod.tensorflow.keras.elastic``.
+KerasState = TensorFlowKerasState

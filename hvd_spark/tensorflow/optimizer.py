@@ -52,6 +52,7 @@ class _Seen:
     """
 
     variables: list | None = None
+    reduced: bool = False  # set by _compute_gradients for the next apply
 
 
 class _DistributedMixin:
@@ -99,15 +100,38 @@ class _DistributedMixin:
             variables = [None] * len(grads)
         return self._hvd_reducer.reduce(grads, variables)
 
+    def _compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list:
+        """Horovod's (Keras 2) hook: ``(gradient, variable)`` pairs, reduced across ranks.
+
+        ``loss`` is a tensor recorded on ``tape`` or a callable. The next
+        ``apply_gradients`` does not reduce these gradients again.
+        """
+        var_list = list(var_list)
+        if tape is None:
+            tape = tf.GradientTape()
+            with tape:
+                tape.watch(var_list)
+                loss = loss() if callable(loss) else loss
+        elif callable(loss):
+            with tape:
+                loss = loss()
+        grads = tape.gradient(loss, var_list)
+        if not self._hvd_accumulating:
+            self._hvd_seen.variables = var_list
+            grads = self._hvd_reduce(list(grads))
+            self._hvd_seen.reduced = True
+        return list(zip(grads, var_list))
+
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         """Reduce ``grads`` across ranks (unless accumulating), then apply them."""
         grads = list(grads)
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
         self._hvd_seen.variables = trainable_variables
+        reduced, self._hvd_seen.reduced = self._hvd_seen.reduced, False
         if not self._hvd_checked and grads:
             self._hvd_check(grads, trainable_variables)
-        if not self._hvd_accumulating and grads:
+        if not self._hvd_accumulating and grads and not reduced:
             grads = self._hvd_reduce(grads)
         return super().apply(grads, trainable_variables)
 
@@ -232,6 +256,37 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         "scale_local_gradients": bool(scale_local_gradients),
     }
     return distributed_class(type(optimizer)).from_config(config)
+
+
+def PartialDistributedOptimizer(  # noqa: N802 - Horovod's public name
+    optimizer: keras.optimizers.Optimizer, name: str | None = None,
+    device_dense: str = "", device_sparse: str = "",
+    compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0, op: ReduceOp = ReduceOp.Average,
+    backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+    groups: Any = None, process_set: ProcessSet = global_process_set,
+    local_layers: Any = None, scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
+    """A ``DistributedOptimizer`` whose ``local_layers``' weights keep local gradients.
+
+    Args:
+        local_layers: A Keras layer or a list of them (model-parallel parts).
+        Others: as ``DistributedOptimizer``.
+    """
+    opt = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        0, groups, process_set, scale_local_gradients)
+    layers = local_layers if isinstance(local_layers, (list, tuple)) else (
+        [] if local_layers is None else [local_layers])
+    for layer in layers:
+        if not hasattr(layer, "trainable_weights"):
+            raise ConfigError(
+                f"PartialDistributedOptimizer: local_layers must be Keras layers, got "
+                f"{type(layer).__name__}")
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
 
 
 def load_model(filepath: Any, custom_optimizers: list[type] | None = None,

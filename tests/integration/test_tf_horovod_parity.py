@@ -133,6 +133,35 @@ def _parity_worker(tmp: str) -> dict:
     plain_grads = tape.gradient(loss, model.trainable_weights)
     out["partial"] = [len(local), len(shared), np.allclose(local[0][1], plain_grads[2] / n)]
 
+    # PartialDistributedOptimizer through Horovod's _compute_gradients hook: the local
+    # layer's gradients are this rank's / size, the others are averaged (and not reduced
+    # again by apply_gradients).
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1), keras.layers.Dense(1)])
+    popt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(1.0),
+                                           local_layers=[model.layers[0]])
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(model(tf.ones([1, 2]) * (r + 1.0)))
+    pairs = popt._compute_gradients(loss, model.trainable_weights, tape=tape)
+    raw = tape.gradient(loss, model.trainable_weights)
+    summed = [hvd.allreduce(g, op=hvd.Sum) for g in raw]
+    before = [np.array(v) for v in model.trainable_weights]
+    popt.apply_gradients(pairs)
+    out["partial_opt"] = [
+        bool(np.allclose(pairs[0][0], raw[0] / n)),
+        bool(np.allclose(pairs[2][0], summed[2] / n)),
+        bool(np.allclose(before[2] - np.array(model.trainable_weights[2]), summed[2] / n))]
+
+    # BroadcastGlobalVariablesCallback(local_variables=...) leaves those alone.
+    cb_model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(
+        1, kernel_initializer=keras.initializers.Constant(float(r)),
+        bias_initializer=keras.initializers.Constant(float(r)), trainable=False)])
+    cb_model.compile(keras.optimizers.SGD(0.0), "mse")
+    kernel = cb_model.layers[0].kernel
+    cb_model.fit(np.ones((2, 2)), np.ones((2, 1)), verbose=0, callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(1, local_variables=[kernel])])
+    out["local_bcast"] = [float(np.array(kernel)[0, 0]),
+                          float(np.array(cb_model.layers[0].bias)[0])]
+
     # Elastic state: sync takes rank 0's, restore goes back to the last commit.
     var = tf.Variable([float(r), float(r)])
     state = hvd.elastic.TensorFlowState([var], batch=10 + r)
@@ -198,6 +227,8 @@ def test_horovod_tensorflow_names_and_semantics(tmp_path):
             np.testing.assert_allclose(sync[i], sync[i + 1], rtol=1e-4, atol=1e-5)
         assert res["local_grads"] == [(r + 1.0) / 2, 1.5]
         assert res["partial"] == [2, 2, True]
+        assert res["partial_opt"] == [True, True, True]
+        assert res["local_bcast"] == [float(r), 1.0]  # own kernel, root 1's bias
         assert res["elastic"] == [([0.0, 0.0], 10), ([0.0, 0.0], 10), [7.0, 7.0]]
         assert res["bcast_fn"] == [{"r": 1}, [1]]
         assert res["load_model"] == "DistributedSGD"
