@@ -40,9 +40,13 @@ class TensorBatches:
         epoch, self.epoch = self.epoch, self.epoch + 1
         for batch in self.source.epoch(epoch):
             out = dict(zip(ds.feature_cols, _inputs(batch, ds.feature_cols, self.shapes, torch)))
-            for col in [*ds.label_cols, *([ds.sample_weight_col] if ds.sample_weight_col else [])]:
+            label_shapes = self.spec.label_shapes or [None] * len(ds.label_cols)
+            for col, shape in zip(ds.label_cols, label_shapes):
                 t = _tensor(batch[col], torch)
-                out[col] = t.float() if t.is_floating_point() else t
+                t = t.float() if t.is_floating_point() else t
+                out[col] = t.reshape(shape) if shape else t
+            if ds.sample_weight_col:
+                out[ds.sample_weight_col] = _tensor(batch[ds.sample_weight_col], torch).float()
             yield out
 
 

@@ -151,6 +151,11 @@ class TorchEstimator(HvdEstimator):
         super().__init__()
         self.setParams(**self._input_kwargs)
 
+    def _ignored(self) -> dict[str, str]:
+        return {**super()._ignored(),
+                "callbacks": "TorchEstimator's loop has no callback hooks (Horovod's ignores "
+                             "them too); use LightningEstimator for callbacks"}
+
     def _model_class(self):
         return TorchModel
 

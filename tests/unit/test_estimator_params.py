@@ -92,6 +92,9 @@ def test_ignored_parameters_are_accepted_and_logged_once_with_the_reason(caplog)
     with caplog.at_level(logging.INFO, logger="hvd_spark.estimator"):
         TorchEstimator(**_torch_kwargs(reader_pool_type="thread"))  # Horovod's default
     assert not caplog.records
+    with caplog.at_level(logging.INFO, logger="hvd_spark.estimator"):
+        TorchEstimator(**_torch_kwargs(callbacks=[object()]))
+    assert "callbacks" in caplog.text and "no callback hooks" in caplog.text
     assert set(IGNORED) <= set(inspect.signature(TorchEstimator.__init__).parameters)
 
 
