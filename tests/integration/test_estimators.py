@@ -299,3 +299,26 @@ def test_torch_fit_on_parquet_the_user_wrote_to_the_train_path(frames, tmp_path)
      .write.parquet(store.get_train_data_path()))
     fitted = _torch_estimator(tmp_path, store=store).fit_on_parquet()  # Horovod's default
     assert _accuracy(fitted.transform(test), "label__output") > 0.9
+
+
+def test_torch_trains_through_a_custom_backend(frames, tmp_path):
+    from hvd_spark.runner.backend import Backend
+    from hvd_spark.runner.local_launcher import run_local
+
+    class LocalBackend(Backend):  # Horovod's seam: training runs where the backend says
+        def __init__(self, num_proc):
+            self.calls = 0
+            self._num_proc = num_proc
+
+        def run(self, fn, args=(), kwargs=None, env=None):
+            self.calls += 1
+            return run_local(fn, args=args, kwargs=kwargs, num_proc=self._num_proc, env=env)
+
+        def num_processes(self):
+            return self._num_proc
+
+    train, test, _ = frames
+    backend = LocalBackend(2)
+    fitted = _torch_estimator(tmp_path, num_proc=None, backend=backend, epochs=2).fit(train)
+    assert backend.calls == 1
+    assert _accuracy(fitted.transform(test), "label__output") > 0.9
