@@ -188,20 +188,18 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
             even split does not divide them (checked before anything is sent).
     """
     del ignore_name_scope
+    name = kernel.eager_name("alltoall", name, process_set)
     x = tf.convert_to_tensor(tensor)
     if x.shape.rank == 0:
-        raise ConfigError("alltoall needs a tensor with at least one dimension, got a scalar")
+        raise kernel.fail_locally("alltoall", [name], process_set, ConfigError(
+            "alltoall needs a tensor with at least one dimension, got a scalar"))
     s = tf.zeros([0], tf.int32) if splits is None else tf.cast(tf.reshape(splits, [-1]),
                                                                 tf.int32)
     if tf.executing_eagerly():
-        name = C.auto_name("alltoall", name, process_set)
         try:
             _check_splits(x, s, process_set)
         except tf.errors.InvalidArgumentError as exc:
-            # The other ranks learn of it under the same name: no wait, names stay aligned.
-            key = C.auto_name("alltoall", name, process_set)  # the key the engine would use
-            C.report_failure("alltoall", key, exc, process_set.members())
-            raise
+            raise kernel.fail_locally("alltoall", [name], process_set, exc) from None
     if not x.dtype.is_floating:
         out, recv = _raw_alltoall(x, s, name, process_set)
     else:

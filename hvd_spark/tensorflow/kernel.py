@@ -113,6 +113,33 @@ def run(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     return list(outs) if isinstance(outs, (tuple, list)) else [outs]
 
 
+def eager_name(kind: str, name: str | None, process_set: C.ProcessSet) -> str | None:
+    """Eagerly, the call's automatic name, drawn *before* any check that may fail locally.
+
+    A call that fails its checks on one rank only must still use up its number on that
+    rank (and tell the others, see ``fail_locally``), or every later unnamed call would
+    pair with the wrong partner. Graph names are fixed at build time instead.
+    """
+    if name is None and tf.executing_eagerly() and C.is_initialized():
+        return C.auto_name(kind, None, process_set)
+    return name
+
+
+def fail_locally(kind: str, names: Sequence[str | None], process_set: C.ProcessSet,
+                 exc: BaseException) -> BaseException:
+    """Eagerly, report this rank's local failure of ``names`` to the other ranks.
+
+    They then fail the same call with this rank's reason instead of waiting for a
+    partner that never comes. Returns ``exc`` for the caller to raise.
+    """
+    if tf.executing_eagerly() and C.is_initialized():
+        for name in names:
+            if name is not None:
+                key = C.auto_name(kind, name, process_set)  # the key the engine would use
+                C.report_failure(kind, key, exc, process_set.members())
+    return exc
+
+
 def executing_eagerly() -> bool:
     """True outside graphs (Horovod's ``_executing_eagerly``)."""
     return tf.executing_eagerly()

@@ -73,16 +73,21 @@ def _dense_group(tensors: list[tf.Tensor], op: ReduceOp, prescale: float, postsc
     return list(with_grad(*tensors))
 
 
-def _check_sparse(op: ReduceOp, prescale: float, postscale: float) -> None:
+def _check_sparse(op: ReduceOp, prescale: float, postscale: float, name: str | None,
+                  process_set: ProcessSet) -> None:
+    """Horovod's limits for IndexedSlices (NotImplementedError), reported to the others."""
+    problem = None
     if op == ReduceOp.Adasum:
-        raise NotImplementedError(
-            "Adasum does not reduce tf.IndexedSlices; pass sparse_as_dense=True to the "
-            "DistributedOptimizer/DistributedGradientTape")
-    if op not in (ReduceOp.Sum, ReduceOp.Average):
-        raise NotImplementedError(
-            f"tf.IndexedSlices reduce with Sum or Average only, got op={op.name}")
-    if prescale != 1.0 or postscale != 1.0:
-        raise NotImplementedError("prescale/postscale factors do not apply to tf.IndexedSlices")
+        problem = ("Adasum does not reduce tf.IndexedSlices; pass sparse_as_dense=True to the "
+                   "DistributedOptimizer/DistributedGradientTape")
+    elif op not in (ReduceOp.Sum, ReduceOp.Average):
+        problem = f"tf.IndexedSlices reduce with Sum or Average only, got op={op.name}"
+    elif prescale != 1.0 or postscale != 1.0:
+        problem = "prescale/postscale factors do not apply to tf.IndexedSlices"
+    if problem is not None:
+        names = [] if name is None else [f"{name}.values", f"{name}.indices"]
+        raise kernel.fail_locally("allgather", names, process_set,
+                                  NotImplementedError(problem))
 
 
 def _sparse_group(slices: list[tf.IndexedSlices], op: ReduceOp, name: str | None,
@@ -138,9 +143,10 @@ def grouped_allreduce(
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     if sparse:
-        _check_sparse(op, prescale_factor, postscale_factor)
-        reduced = _sparse_group([tensors[i] for i in sparse], op,
-                                None if name is None else f"{name}.sparse", process_set)
+        sparse_name = kernel.eager_name("grouped_allreduce", name, process_set)
+        sparse_name = None if sparse_name is None else f"{sparse_name}.sparse"
+        _check_sparse(op, prescale_factor, postscale_factor, sparse_name, process_set)
+        reduced = _sparse_group([tensors[i] for i in sparse], op, sparse_name, process_set)
         for i, r in zip(sparse, reduced):
             out[i] = r
     if dense:
@@ -167,7 +173,8 @@ def allreduce(
     del device_dense, device_sparse, ignore_name_scope
     op = resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
-        _check_sparse(op, prescale_factor, postscale_factor)
+        name = kernel.eager_name("allreduce", name, process_set)
+        _check_sparse(op, prescale_factor, postscale_factor, name, process_set)
         return _sparse_group([tensor], op, name, process_set)[0]
     x = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(x)
@@ -179,11 +186,6 @@ def allreduce(
 def _raw_reducescatter(tensors: list[tf.Tensor], op: ReduceOp, prescale: float,
                        postscale: float, name: str | None,
                        process_set: ProcessSet) -> list[tf.Tensor]:
-    for t in tensors:
-        if t.shape.rank == 0:
-            raise ConfigError(
-                "reducescatter needs tensors with at least one dimension (rows are "
-                "scattered), got a scalar")
     base = kernel.graph_name("reducescatter", name)
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
@@ -257,7 +259,14 @@ def grouped_reducescatter(
         raise NotImplementedError(f"reducescatter does not support op={op.name}")
     if not tensors:
         return list(tensors)
+    name = kernel.eager_name("reducescatter", name, process_set)
     values = [tf.convert_to_tensor(t) for t in tensors]
+    if any(t.shape.rank == 0 for t in values):
+        keys = [name] if len(values) == 1 or name is None else [
+            f"{name}.{i}" for i in range(len(values))]
+        raise kernel.fail_locally("reducescatter", keys, process_set, ConfigError(
+            "reducescatter needs tensors with at least one dimension (rows are scattered), "
+            "got a scalar"))
     compressed, ctxs = zip(*(compression.compress(t) for t in values))
     reduced = _reducescatter_group(list(compressed), op, prescale_factor, postscale_factor,
                                    name, process_set)

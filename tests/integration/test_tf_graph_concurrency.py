@@ -119,12 +119,20 @@ def _graph_worker() -> dict:
 
     # 4. Unnamed eager calls, some failing on every rank (rank 1 disagrees on the shape):
     # the calls after a failure still pair up with the right partner.
+    # Calls 5 and 9 fail rank 1's own checks before anything is sent (a scalar
+    # reducescatter, an alltoall whose rows do not split evenly): rank 0 hears of it.
     seq = []
     for i in range(12):
         bad = i in (3, 7)
         x = tf.fill([3 if (bad and r == 1) else 2], float(i))
         try:
-            seq.append(hvd.allreduce(x, op=hvd.Sum).numpy().tolist())
+            if i == 5:
+                y = hvd.reducescatter(tf.constant(1.0) if r == 1 else tf.ones([2]), op=hvd.Sum)
+            elif i == 9:
+                y = hvd.alltoall(tf.ones([3 if r == 1 else 2]))
+            else:
+                y = hvd.allreduce(x, op=hvd.Sum)
+            seq.append(y.numpy().tolist())
         except (HvdSparkError, tf.errors.OpError) as exc:
             seq.append(f"error: {type(exc).__name__}: {exc}")
     out["sequence"] = seq
@@ -159,6 +167,10 @@ def test_v1_graphs_threads_and_failures_never_deadlock():
         for i, value in enumerate(res["sequence"]):
             if i in (3, 7):
                 assert value.startswith("error:") and "shape" in value, value
+            elif i == 5:
+                assert value.startswith("error:") and "scalar" in value, value
+            elif i == 9:
+                assert value.startswith("error:") and "split" in value, value
             else:
                 assert value == [2.0 * i, 2.0 * i], (i, value)
         assert "shape" in res["graph_bad"], res["graph_bad"]
