@@ -47,6 +47,8 @@ from hvd_spark.collectives.api import (
     report_failure,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from hvd_spark.collectives.build_info import (
@@ -79,5 +81,6 @@ __all__ = [
     "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set",
-    "report_failure", "rocm_built", "shutdown", "size", "synchronize",
+    "report_failure", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
+    "synchronize",
 ]

@@ -18,7 +18,7 @@ import numpy as np
 
 from hvd_spark import _env
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives import registry
+from hvd_spark.collectives import registry, timeline
 from hvd_spark.collectives.engine import Engine
 from hvd_spark.collectives.operations import Entry, Handle
 from hvd_spark.collectives.ops import ReduceOp, check_dtype, check_reduction, scale_in_place
@@ -33,8 +33,8 @@ _lock = threading.Lock()
 _world: WorldInfo | None = None
 _engine: Engine | None = None
 _epoch = itertools.count()
-# Automatic names count per process set, so that they agree among each set's members.
-_names: dict[int, itertools.count] = {}
+# Automatic names count per process set and kind, so that they agree among each set's members.
+_names: dict[tuple[int, str], itertools.count] = {}
 #: Process sets added on this rank, by id (the global set is 0).
 _process_sets: dict[int, ProcessSet] = {}
 _homogeneous = [True]
@@ -89,6 +89,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         global_process_set._bind(0, world.rank)
         _process_sets[0] = global_process_set
     atexit.register(shutdown)
+    if config.timeline_path and world.rank == 0:
+        timeline.start_timeline(config.timeline_path, config.timeline_mark_cycles)
     for ps in process_sets or ():
         add_process_set(ps)
 
@@ -148,6 +150,22 @@ def cross_size() -> int:
     return _require()[0].cross_size
 
 
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record a Chrome-trace timeline of the collectives to ``file_path`` (rank 0 writes it).
+
+    Every rank may call it, as in Horovod; starting again switches to the new file.
+    """
+    world, _ = _require()
+    if world.rank == 0:
+        timeline.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop recording the timeline and close its file."""
+    _require()
+    timeline.stop_timeline()
+
+
 def is_homogeneous() -> bool:
     """True when every host runs the same number of ranks."""
     _require()
@@ -187,9 +205,11 @@ def auto_name(kind: str, name: str | None, process_set: ProcessSet = global_proc
     """
     ps_id = process_set.process_set_id or 0
     if name is None:
-        counter = _names.get(ps_id)
+        # One counter per (set, kind): ranks that ran different numbers of one kind of
+        # operation (a rank-dependent branch) still agree on the names of the others.
+        counter = _names.get((ps_id, kind))
         if counter is None:
-            counter = _names[ps_id] = itertools.count()
+            counter = _names[(ps_id, kind)] = itertools.count()
         name = f"{kind}.noname.{next(counter)}"
     return name if ps_id == 0 else f"ps{ps_id}/{name}"
 
@@ -687,6 +707,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if not ps_id or ps_id not in _process_sets:
         return False
     del _process_sets[ps_id]
-    _names.pop(ps_id, None)
+    for key in [k for k in _names if k[0] == ps_id]:
+        del _names[key]
     process_set._invalidate()
     return True

@@ -19,7 +19,7 @@ from collections import deque
 import numpy as np
 
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives import operations
+from hvd_spark.collectives import operations, timeline
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.operations import Entry, Handle
@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0
 _BYE_WAIT_S = 10.0
+
+
+def _row(name: str, kind: str) -> str:
+    """A tensor's timeline row, named as Horovod's are: ``<kind>.<name>``."""
+    return name if name.startswith(kind) else f"{kind}.{name}"
 
 
 def _zeros_entry(template) -> Entry:
@@ -185,6 +190,12 @@ class Engine:
             timeout = self._cycle_remaining()
         readable, _, _ = select.select([self._wake_r, *self._control.values()], [], [], timeout)
         new = self._drain_local()
+        tl = timeline.current() if self._coordinator is not None else None
+        if tl is not None:
+            tl.mark_cycle()
+            for entry in new:
+                tl.negotiate_start(_row(entry.request.name, entry.request.kind),
+                                   entry.request.kind)
         if self._coordinator is not None:
             now = time.monotonic()
             for entry in new:
@@ -217,7 +228,12 @@ class Engine:
             ) from None
         if kind == "req":
             now = time.monotonic()
+            tl = timeline.current()
             for request in payload:
+                if tl is not None:
+                    row = _row(request.name, request.kind)
+                    tl.negotiate_start(row, request.kind)
+                    tl.negotiate_rank_ready(row, peer)
                 self._coordinator.add(peer, request, now)
         elif kind == "resp":
             for response in payload:
@@ -282,8 +298,17 @@ class Engine:
                            if n not in {e.request.name for e in entries}]
                 raise CollectiveError(
                     f"rank {self.rank} was told to run {missing} it never submitted")
+        tl = timeline.current() if self._coordinator is not None else None
+        trace = None
+        if tl is not None:
+            rows = [_row(n, response.kind) for n in response.names]
+            tl.negotiate_end_all(rows)
+            tl.start_all(rows, response.kind.upper())
+            trace = lambda activity: tl.activity_start_all(rows, activity)  # noqa: E731
         try:
-            results = operations.execute(self._comm_for(members), response, entries)
+            results = operations.execute(self._comm_for(members), response, entries, trace)
+            if tl is not None:
+                tl.end_all(rows)
         except BaseException as exc:
             # These entries left _pending already: complete them here with the real error,
             # or their callers would wait for the timeout.

@@ -99,19 +99,31 @@ def run_adasum(comm: Communicator, entry: Entry) -> Any:
     return entry.finish(entry.array)
 
 
-def run_allreduce(comm: Communicator, entries: list[Entry]) -> list[Any]:
-    """One (possibly fused) allreduce over all entries' arrays, in place."""
+def _no_trace(activity: str) -> None:
+    del activity
+
+
+def run_allreduce(comm: Communicator, entries: list[Entry],
+                  trace: Callable[[str], None] = _no_trace) -> list[Any]:
+    """One (possibly fused) allreduce over all entries' arrays, in place.
+
+    ``trace(activity)`` marks the start of each phase (for the timeline).
+    """
     if entries[0].request.op == ops.ReduceOp.Adasum:
+        trace("ADASUM_ALLREDUCE")
         return [run_adasum(comm, e) for e in entries]
     small = [e for e in entries if e.array.nbytes < _PACK_BELOW_BYTES]
     packed = None
     pieces = [e.array.reshape(-1) for e in entries if e.array.nbytes >= _PACK_BELOW_BYTES]
     if len(small) > 1:
+        trace("MEMCPY_IN_FUSION_BUFFER")
         packed = np.concatenate([e.array.reshape(-1) for e in small])
         pieces.append(packed)
     else:
         pieces += [e.array.reshape(-1) for e in small]
+    trace("RING_ALLREDUCE")
     comm.allreduce(SegmentedBuffer(pieces), ops.ReduceOp(entries[0].request.op))
+    trace("MEMCPY_OUT_FUSION_BUFFER")
     if packed is not None:
         offset = 0
         for e in small:
@@ -175,11 +187,16 @@ def run_reducescatter(comm: Communicator, entry: Entry) -> Any:
     return entry.finish(mine)
 
 
-def execute(comm: Communicator, response: Response, entries: list[Entry]) -> list[Any]:
-    """Run one agreed response; return one result per entry, in order."""
+def execute(comm: Communicator, response: Response, entries: list[Entry],
+            trace: Callable[[str], None] | None = None) -> list[Any]:
+    """Run one agreed response; return one result per entry, in order.
+
+    Args:
+        trace: Called with each phase's name as it starts (the timeline), or None.
+    """
     kind = response.kind
     if kind == m.ALLREDUCE:
-        return run_allreduce(comm, entries)
+        return run_allreduce(comm, entries, trace or _no_trace)
     if kind == m.BARRIER:
         return [None]
     (entry,) = entries

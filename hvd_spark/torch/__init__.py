@@ -6,15 +6,34 @@ staged through CPU copies).
 """
 
 from hvd_spark.collectives import (
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    ProcessSet,
+    add_process_set,
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     rank,
+    remove_process_set,
+    rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from hvd_spark.torch.compression import Compression, Compressor
 from hvd_spark.torch.functions import (
@@ -24,6 +43,7 @@ from hvd_spark.torch.functions import (
     broadcast_parameters,
 )
 from hvd_spark.torch.mpi_ops import (
+    Adasum,
     Average,
     Max,
     Min,
@@ -43,43 +63,37 @@ from hvd_spark.torch.mpi_ops import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     join,
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from hvd_spark.torch.optimizer import DistributedOptimizer
 from hvd_spark.torch.sync_batch_norm import SyncBatchNorm
 
-
-def mpi_built() -> bool:
-    """False: hvd_spark moves bytes over TCP/shared memory, not MPI (Horovod compatibility)."""
-    return False
-
-
-def nccl_built() -> bool:
-    """False: no NCCL backend in this build (Horovod compatibility)."""
-    return False
-
-
-def cuda_built() -> bool:
-    """False: collectives run on the CPU; CUDA tensors are staged (Horovod compatibility)."""
-    return False
-
-
 __all__ = [
-    "Average", "Compression", "Compressor", "DistributedOptimizer", "Max", "Min", "Product",
-    "ReduceOp", "Sum", "SyncBatchNorm", "allgather", "allgather_async", "allgather_object",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
-    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min", "ProcessSet", "Product",
+    "ReduceOp", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
+    "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
-    "cross_rank", "cross_size", "cuda_built", "grouped_allreduce", "grouped_allreduce_",
-    "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_initialized", "join",
-    "local_rank", "local_size", "mpi_built", "nccl_built", "poll", "rank", "reducescatter",
-    "reducescatter_async", "shutdown", "size", "synchronize",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+    "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allgather_async",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "init",
+    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter",
+    "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]

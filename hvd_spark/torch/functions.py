@@ -59,6 +59,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         raise ConfigError(
             f"broadcast_optimizer_state expects a torch optimizer, got {type(optimizer).__name__}")
     local = optimizer.state_dict()
+    if not local["state"]:
+        # As Horovod: parameters that will train get zero gradients, so code reading
+        # ``p.grad`` right after the broadcast finds tensors (parameters are untouched).
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     skeleton = C.broadcast_object(
         _skeleton(local) if C.rank() == root_rank else None, root_rank,
         "broadcast_optimizer_state.skeleton")

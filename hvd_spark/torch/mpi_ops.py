@@ -7,14 +7,14 @@ handle for ``synchronize``/``poll``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from hvd_spark import collectives as C
-from hvd_spark.collectives.ops import Average, Max, Min, Product, ReduceOp, Sum
+from hvd_spark.collectives import ProcessSet, global_process_set
+from hvd_spark.collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from hvd_spark.errors import ConfigError
 from hvd_spark.torch import autograd as G
 from hvd_spark.torch import tensor_ops as T
@@ -22,7 +22,9 @@ from hvd_spark.torch.compression import Compression, Compressor
 from hvd_spark.torch.tensor_ops import TorchHandle, poll, synchronize
 
 __all__ = [
-    "Average", "Max", "Min", "Product", "ReduceOp", "Sum", "TorchHandle",
+    "Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum", "TorchHandle",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "sparse_allreduce_async",
     "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "grouped_allreduce", "grouped_allreduce_",
@@ -43,8 +45,7 @@ def resolve_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
         return ReduceOp(op)
     except ValueError:
         raise ConfigError(
-            f"op={op!r} is not supported; use Sum, Average, Min, Max or Product "
-            "(Adasum is not implemented)") from None
+            f"op={op!r} is not supported; use Sum, Average, Adasum, Min, Max or Product") from None
 
 
 def _wants_grad(tensor: Any) -> bool:
@@ -53,15 +54,17 @@ def _wants_grad(tensor: Any) -> bool:
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> TorchHandle:
+                    postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start reducing ``tensor`` across ranks; ``synchronize`` returns a new tensor."""
     return T.allreduce_async(tensor, name, resolve_op(average, op),
-                             prescale_factor, postscale_factor)
+                             prescale_factor, postscale_factor, process_set)
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across ranks (Average by default); differentiable.
 
     Args:
@@ -72,27 +75,31 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         op: Sum, Average, Min, Max or Product.
         prescale_factor, postscale_factor: Multiply before / after the reduction.
     """
-    T.check_tensor(tensor, "allreduce", name)
+    T._checked(tensor, "allreduce", "allreduce", name, process_set)
     op = resolve_op(average, op)
     wire, ctx = compression.compress(tensor)
     if _wants_grad(tensor):
-        out = G.AllreduceFn.apply(wire, name, op, prescale_factor, postscale_factor)
+        out = G.AllreduceFn.apply(wire, name, op, prescale_factor, postscale_factor,
+                                  process_set)
     else:
-        out = T.allreduce_async(wire, name, op, prescale_factor, postscale_factor).wait()
+        out = T.allreduce_async(wire, name, op, prescale_factor, postscale_factor,
+                                process_set).wait()
     return compression.decompress(out, ctx)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> TorchHandle:
+                     postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start an in-place allreduce; ``synchronize`` returns ``tensor`` holding the result."""
     return T.allreduce_async_(tensor, name, resolve_op(average, op),
-                              prescale_factor, postscale_factor)
+                              prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: ReduceOp | None = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0) -> torch.Tensor:
+               postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across ranks in place (no copy for contiguous CPU tensors)."""
     return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor).wait()
 
@@ -100,16 +107,19 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: ReduceOp | None = None,
                             prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> TorchHandle:
+                            postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start a fused allreduce of several tensors; ``synchronize`` returns a list."""
     return T.grouped_allreduce_async(tensors, name, resolve_op(average, op),
-                                     prescale_factor, postscale_factor)
+                                     prescale_factor, postscale_factor,
+                                     process_set=process_set)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression: type[Compressor] = Compression.none,
                       op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                      postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce several tensors as one fused operation; differentiable."""
     op = resolve_op(average, op)
     for t in tensors:
@@ -117,122 +127,196 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     packed = [compression.compress(t) for t in tensors]
     wires = [w for w, _ in packed]
     if any(_wants_grad(t) for t in tensors):
-        outs = G.GroupedAllreduceFn.apply((name, op, prescale_factor, postscale_factor), *wires)
+        outs = G.GroupedAllreduceFn.apply(
+            (name, op, prescale_factor, postscale_factor, process_set), *wires)
     else:
-        outs = T.grouped_allreduce_async(wires, name, op, prescale_factor, postscale_factor).wait()
+        outs = T.grouped_allreduce_async(wires, name, op, prescale_factor, postscale_factor,
+                                         process_set=process_set).wait()
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, packed, strict=True)]
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: ReduceOp | None = None,
                              prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> TorchHandle:
+                             postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start a fused in-place allreduce of several tensors."""
     return T.grouped_allreduce_async(tensors, name, resolve_op(average, op),
-                                     prescale_factor, postscale_factor, in_place=True)
+                                     prescale_factor, postscale_factor, in_place=True,
+                                     process_set=process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                        name: str | None = None, op: ReduceOp | None = None,
                        prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                       postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce several tensors in place as one fused operation."""
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                     postscale_factor).wait()
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> TorchHandle:
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start concatenating every rank's tensor along dim 0."""
-    return T.allgather_async(tensor, name)
+    return T.allgather_async(tensor, name, process_set)
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: str | None = None,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0 (first dims may differ); differentiable."""
-    T.check_tensor(tensor, "allgather", name)
+    T._checked(tensor, "allgather", "allgather", name, process_set)
     if _wants_grad(tensor):
-        return G.AllgatherFn.apply(tensor, name)
-    return T.allgather_async(tensor, name).wait()
+        return G.AllgatherFn.apply(tensor, name, process_set)
+    return T.allgather_async(tensor, name, process_set).wait()
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> TorchHandle:
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start broadcasting root's tensor; ``synchronize`` returns a new tensor."""
-    return T.broadcast_async(tensor, root_rank, name)
+    return T.broadcast_async(tensor, root_rank, name, process_set)
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s tensor on every rank; differentiable."""
-    T.check_tensor(tensor, "broadcast", name)
+    T._checked(tensor, "broadcast", "broadcast", name, process_set)
     if _wants_grad(tensor):
-        return G.BroadcastFn.apply(tensor, root_rank, name)
-    return T.broadcast_async(tensor, root_rank, name).wait()
+        return G.BroadcastFn.apply(tensor, root_rank, name, process_set)
+    return T.broadcast_async(tensor, root_rank, name, process_set).wait()
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> TorchHandle:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start an in-place broadcast into ``tensor``."""
-    return T.broadcast_async_(tensor, root_rank, name)
+    return T.broadcast_async_(tensor, root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s, in place."""
-    return T.broadcast_async_(tensor, root_rank, name).wait()
+    return T.broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None,
-                   name: str | None = None) -> TorchHandle:
+                   name: str | None = None,
+        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start an alltoall; ``synchronize`` returns ``(tensor, received_splits)``."""
-    return T.alltoall_async(tensor, splits, name)
+    return T.alltoall_async(tensor, splits, name, process_set)
 
 
 def alltoall(tensor: torch.Tensor, splits: Any = None,
-             name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             name: str | None = None,
+        process_set: ProcessSet = global_process_set) -> tuple[torch.Tensor, torch.Tensor]:
     """Send ``splits[j]`` rows to rank j (even split by default); differentiable.
 
     Returns:
         The rows received from every rank, concatenated in rank order, and how many
         rows came from each rank.
     """
-    T.check_tensor(tensor, "alltoall", name)
+    T._checked(tensor, "alltoall", "alltoall", name, process_set)
     if _wants_grad(tensor):
-        return G.AlltoallFn.apply(tensor, splits, name)
-    return T.alltoall_async(tensor, splits, name).wait()
+        return G.AlltoallFn.apply(tensor, splits, name, process_set)
+    return T.alltoall_async(tensor, splits, name, process_set).wait()
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
                         op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> TorchHandle:
+                        postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> TorchHandle:
     """Start a reduce-scatter along dim 0."""
     return T.reducescatter_async(tensor, name, resolve_op(None, op),
-                                 prescale_factor, postscale_factor)
+                                 prescale_factor, postscale_factor, process_set)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce across ranks and return this rank's block of dim-0 rows; differentiable."""
-    T.check_tensor(tensor, "reducescatter", name)
+    T._checked(tensor, "reducescatter", "reducescatter", name, process_set)
     op = resolve_op(None, op)
     wire, ctx = compression.compress(tensor)
     if _wants_grad(tensor):
-        out = G.ReducescatterFn.apply(wire, name, op, prescale_factor, postscale_factor)
+        out = G.ReducescatterFn.apply(wire, name, op, prescale_factor, postscale_factor,
+                                      process_set)
     else:
-        out = T.reducescatter_async(wire, name, op, prescale_factor, postscale_factor).wait()
+        out = T.reducescatter_async(wire, name, op, prescale_factor, postscale_factor,
+                                    process_set).wait()
     return compression.decompress(out, ctx)
 
 
-def barrier() -> None:
-    """Return once every rank has called ``barrier``."""
-    C.barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank (of ``process_set``) has called ``barrier``."""
+    C.barrier(process_set=process_set)
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has joined; returns the last rank to arrive.
+    """Horovod's ``join``: until every rank has joined, this rank takes part in the others'
+    allreduces with zeros, so ranks with fewer batches never hang the rest.
 
-    A simplification of Horovod's ``join``: this is a barrier, so ranks that joined
-    early do not stand in (with zeros) for collectives the others still run. Give
-    every rank the same number of batches (the data reader does) before calling it.
-    ``device`` is accepted for compatibility and ignored.
+    Returns:
+        The last rank to join (the same on every rank). ``device`` is accepted for
+        compatibility and ignored (collectives run on the CPU).
     """
     del device
-    arrivals = C.allgather(torch.tensor([time.time()], dtype=torch.float64).numpy(),
-                           "hvd_spark.torch.join")
-    return int(arrivals.argmax())
+    return C.join()
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: ReduceOp = Average,
+                           process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start an allreduce of a sparse COO tensor by allgathering its indices and values.
+
+    ``synchronize`` returns a coalesced sparse tensor: the sum (or, with Average, the
+    mean) of every rank's tensor, as Horovod computes it.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise ConfigError("sparse_allreduce_async expects a sparse COO tensor (tensor.to_sparse())")
+    op = resolve_op(None, op)
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ConfigError(f"sparse_allreduce_async supports Sum and Average, not {op.name}")
+    t = tensor.coalesce()
+    indices = t.indices().t().contiguous()  # one row per non-zero, so allgather concatenates
+    values = t.values().contiguous()
+    h_idx = T.allgather_async(indices, f"{name}.indices", process_set)
+    h_val = T.allgather_async(values, f"{name}.values", process_set)
+    n = process_set.size() if process_set is not global_process_set else C.size()
+
+    def finish(_: list) -> torch.Tensor:
+        all_idx, all_val = h_idx.wait(), h_val.wait()
+        if op == ReduceOp.Average:
+            all_val = all_val / n
+        out = torch.sparse_coo_tensor(all_idx.t(), all_val, size=tensor.shape)
+        return out.coalesce()
+
+    return TorchHandle([*h_idx.inner, *h_val.inner], finish)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start allgathers of several tensors; ``synchronize`` returns a list."""
+    return T.grouped_allgather_async(tensors, name, process_set)
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather several tensors (each concatenated along dim 0 over the ranks)."""
+    return T.grouped_allgather_async(tensors, name, process_set).wait()
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> TorchHandle:
+    """Start reduce-scatters of several tensors; ``synchronize`` returns a list."""
+    return T.grouped_reducescatter_async(tensors, name, resolve_op(None, op), prescale_factor,
+                                         postscale_factor, process_set)
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Reduce-scatter several tensors; returns this rank's block of each."""
+    return grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor,
+                                       process_set).wait()

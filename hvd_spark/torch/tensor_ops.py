@@ -81,6 +81,10 @@ class TorchHandle:
         """True when every underlying operation finished."""
         return all(h.done() for h in self.inner)
 
+    def __call__(self) -> Any:
+        """``wait()``: Horovod's sparse handles are called to get their result."""
+        return self.wait()
+
     def wait(self) -> Any:
         """Block until finished; return the tensor result (or raise the operation's error)."""
         if not self._done:
@@ -122,30 +126,54 @@ def _in_place_target(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[Any]
     return cpu, copy_back
 
 
+_GLOBAL = C.global_process_set
+
+
+def _checked(tensor: Any, what: str, kind: str, name: str | None,
+             process_set: C.ProcessSet) -> torch.Tensor:
+    """``check_tensor``, but a failure is also reported to the other ranks.
+
+    Their copy of the operation then fails too instead of waiting, and this rank's
+    automatic name is used up as theirs is, so later unnamed calls still match.
+    """
+    try:
+        return check_tensor(tensor, what, name)
+    except ConfigError as exc:
+        if C.is_initialized() and (process_set is _GLOBAL or process_set.included()):
+            C.report_failure(kind, C.auto_name(kind, name, process_set), exc,
+                             process_set.members())
+        raise
+
+
 def allreduce_async(
     tensor: torch.Tensor, name: str | None, op: ReduceOp,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start an out-of-place allreduce; the result is a new tensor on ``tensor``'s device."""
-    check_tensor(tensor, "allreduce", name)
-    handle = C.allreduce_async(as_numpy(_cpu(tensor)), name, op, prescale_factor, postscale_factor)
+    _checked(tensor, "allreduce", "allreduce", name, process_set)
+    handle = C.allreduce_async(as_numpy(_cpu(tensor)), name, op, prescale_factor,
+                               postscale_factor, process_set)
     return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
 
 
 def allreduce_async_(
     tensor: torch.Tensor, name: str | None, op: ReduceOp,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start an in-place allreduce: ``tensor`` receives the result (no copy on CPU)."""
-    check_tensor(tensor, "allreduce_", name)
+    _checked(tensor, "allreduce_", "allreduce", name, process_set)
     cpu, finish = _in_place_target(tensor)
-    handle = C.allreduce_async_(as_numpy(cpu), name, op, prescale_factor, postscale_factor)
+    handle = C.allreduce_async_(as_numpy(cpu), name, op, prescale_factor, postscale_factor,
+                                process_set)
     return TorchHandle([handle], _single(finish))
 
 
 def allreduce_many_async_(
     tensors: Sequence[torch.Tensor], names: Sequence[str], op: ReduceOp,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: C.ProcessSet = _GLOBAL,
 ) -> list[TorchHandle]:
     """Start in-place allreduces of named tensors in one batch: one request message, each
     tensor still matched across ranks by its own name."""
@@ -154,59 +182,75 @@ def allreduce_many_async_(
         check_tensor(tensor, "allreduce_", name)
         targets.append(_in_place_target(tensor))
     handles = C.allreduce_many_async_([as_numpy(cpu) for cpu, _ in targets], names, op,
-                                      prescale_factor, postscale_factor)
+                                      prescale_factor, postscale_factor, process_set)
     return [TorchHandle([h], _single(finish)) for h, (_, finish) in zip(handles, targets)]
+
+
+def _group_base(kind: str, tensors: Any, name: str | None) -> str:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise ConfigError(f"grouped_{kind} expects a list of tensors")
+    return name if name is not None else f"grouped_{kind}.noname.{next(_group_names)}"
 
 
 def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0, in_place: bool = False,
+    process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start allreduces of several tensors that the engine fuses; one handle for all."""
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
-        raise ConfigError("grouped_allreduce expects a list of tensors")
-    base = name if name is not None else f"grouped_allreduce.noname.{next(_group_names)}"
+    base = _group_base("allreduce", tensors, name)
     start = allreduce_async_ if in_place else allreduce_async
-    parts = [start(t, f"{base}.{i}", op, prescale_factor, postscale_factor)
+    parts = [start(t, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set)
              for i, t in enumerate(tensors)]
     inner = [h for p in parts for h in p.inner]
     return TorchHandle(inner, lambda _: [p.wait() for p in parts])
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None) -> TorchHandle:
+def allgather_async(tensor: torch.Tensor, name: str | None,
+                    process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start concatenating every rank's tensor along dim 0."""
-    check_tensor(tensor, "allgather", name)
-    handle = C.allgather_async(as_numpy(_cpu(tensor)), name)
+    _checked(tensor, "allgather", "allgather", name, process_set)
+    handle = C.allgather_async(as_numpy(_cpu(tensor)), name, process_set)
     return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None) -> TorchHandle:
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None,
+                            process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
+    """Start allgathers of several tensors; one handle whose result is a list."""
+    base = _group_base("allgather", tensors, name)
+    parts = [allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)]
+    return TorchHandle([h for p in parts for h in p.inner], lambda _: [p.wait() for p in parts])
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
+                    process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start broadcasting root's tensor; the result is a new tensor."""
-    check_tensor(tensor, "broadcast", name)
-    handle = C.broadcast_async(as_numpy(_cpu(tensor)), root_rank, name)
+    _checked(tensor, "broadcast", "broadcast", name, process_set)
+    handle = C.broadcast_async(as_numpy(_cpu(tensor)), root_rank, name, process_set)
     return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None) -> TorchHandle:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None,
+                     process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start an in-place broadcast into ``tensor``."""
-    check_tensor(tensor, "broadcast_", name)
+    _checked(tensor, "broadcast_", "broadcast", name, process_set)
     cpu, finish = _in_place_target(tensor)
-    handle = C.broadcast_async_(as_numpy(cpu), root_rank, name)
+    handle = C.broadcast_async_(as_numpy(cpu), root_rank, name, process_set)
     return TorchHandle([handle], _single(finish))
 
 
 def alltoall_async(
-    tensor: torch.Tensor, splits: Any, name: str | None
+    tensor: torch.Tensor, splits: Any, name: str | None, process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start an alltoall; the result is ``(tensor, received_splits)``."""
-    check_tensor(tensor, "alltoall", name)
+    _checked(tensor, "alltoall", "alltoall", name, process_set)
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
-    handle = C.alltoall_async(as_numpy(_cpu(tensor)), splits, name)
+    handle = C.alltoall_async(as_numpy(_cpu(tensor)), splits, name, process_set)
 
     def finish(result: tuple[np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         out, received = result
-        return from_numpy(out, tensor.device), torch.from_numpy(received)
+        return from_numpy(out, tensor.device), torch.from_numpy(received).to(torch.int32)
 
     return TorchHandle([handle], _single(finish))
 
@@ -214,9 +258,22 @@ def alltoall_async(
 def reducescatter_async(
     tensor: torch.Tensor, name: str | None, op: ReduceOp,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start a reduce-scatter: reduce across ranks, keep this rank's block of dim-0 rows."""
-    check_tensor(tensor, "reducescatter", name)
+    _checked(tensor, "reducescatter", "reducescatter", name, process_set)
     handle = C.reducescatter_async(
-        as_numpy(_cpu(tensor)), name, op, prescale_factor, postscale_factor)
+        as_numpy(_cpu(tensor)), name, op, prescale_factor, postscale_factor, process_set)
     return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: C.ProcessSet = _GLOBAL,
+) -> TorchHandle:
+    """Start reduce-scatters of several tensors; one handle whose result is a list."""
+    base = _group_base("reducescatter", tensors, name)
+    parts = [reducescatter_async(t, f"{base}.{i}", op, prescale_factor, postscale_factor,
+                                 process_set) for i, t in enumerate(tensors)]
+    return TorchHandle([h for p in parts for h in p.inner], lambda _: [p.wait() for p in parts])
