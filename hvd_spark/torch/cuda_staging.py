@@ -72,6 +72,7 @@ class CudaStager:
     def allreduce_async_(
         self, items: Sequence[tuple[Any, torch.Tensor, str]], op: ReduceOp,
         prescale_factor: float, postscale_factor: float,
+        process_set: C.ProcessSet = C.global_process_set,
     ) -> list[StagedHandle]:
         """Start allreduces of ``(key, tensor, name)`` items, all on one CUDA device.
 
@@ -88,7 +89,8 @@ class CudaStager:
         copied.record(stream)
         arrays = [(as_numpy(host), name) for host, (_, _, name) in zip(hosts, items)]
         submitted = self._executor.submit(
-            _submit_when_copied, copied, arrays, op, prescale_factor, postscale_factor)
+            _submit_when_copied, copied, arrays, op, prescale_factor, postscale_factor,
+            process_set)
         return [StagedHandle(submitted, i, tensor, host, stream, self._timeout_s)
                 for i, (host, (_, tensor, _)) in enumerate(zip(hosts, items))]
 
@@ -105,7 +107,7 @@ class CudaStager:
 
 
 def _submit_when_copied(copied: Any, arrays: list, op: ReduceOp, prescale: float,
-                        postscale: float) -> list:
+                        postscale: float, process_set: C.ProcessSet) -> list:
     copied.synchronize()  # blocks this helper thread only
     return C.allreduce_many_async_([a for a, _ in arrays], [n for _, n in arrays], op,
-                                   prescale, postscale)
+                                   prescale, postscale, process_set)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hvd_spark import collectives as C
 from hvd_spark.collectives.ops import ReduceOp
 from hvd_spark.errors import ConfigError
 from hvd_spark.torch import tensor_ops as T
@@ -62,8 +63,14 @@ class _DistributedOptimizer:
     """Mixin placed before the wrapped optimizer's class (see ``DistributedOptimizer``)."""
 
     def _hvd_setup(self, names: dict, compression: type[Compressor], passes: int,
-                   op: ReduceOp, predivide: float) -> None:
+                   op: ReduceOp, predivide: float, groups: list[list[torch.Tensor]],
+                   sparse_as_dense: bool, process_set: C.ProcessSet) -> None:
         self._hvd_names = names
+        self._hvd_process_set = process_set
+        self._hvd_sparse_as_dense = sparse_as_dense
+        # Parameter -> its group (a list), for gradients that must go out together.
+        self._hvd_group_of = {p: g for g in groups for p in g}
+        self._hvd_group_ready: dict[int, set] = {}
         self._hvd_compression = compression
         self._hvd_passes_per_step = passes
         self._hvd_op = op
@@ -93,6 +100,14 @@ class _DistributedOptimizer:
         count = self._hvd_passes.get(p, 0) + 1
         self._hvd_passes[p] = count
         if count >= self._hvd_passes_per_step:
+            group = self._hvd_group_of.get(p)
+            if group is not None:
+                ready = self._hvd_group_ready.setdefault(id(group), set())
+                ready.add(p)
+                if len(ready) == len(group):  # the whole group goes out in one batch
+                    del self._hvd_group_ready[id(group)]
+                    self._hvd_start(list(group))
+                return
             self._hvd_bucket[p] = None
             self._hvd_bucket_bytes += p.numel() * p.element_size()
             if self._hvd_bucket_bytes >= BUCKET_BYTES:
@@ -109,6 +124,11 @@ class _DistributedOptimizer:
             if p.grad is None:
                 # Unused on this rank but maybe not on others: contribute zeros (as Horovod).
                 p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                if not self._hvd_sparse_as_dense:
+                    self._hvd_handles[p] = (self._hvd_sparse(p), p.grad, None, None)
+                    continue
+                p.grad = p.grad.to_dense()
             grad = p.grad
             wire, ctx = self._hvd_compression.compress(grad)
             name = f"allreduce.{self._hvd_names[p]}"
@@ -119,7 +139,7 @@ class _DistributedOptimizer:
         if cpu_items:
             handles = T.allreduce_many_async_(
                 [wire for _, _, wire, _, _ in cpu_items], [n for *_, n in cpu_items],
-                self._hvd_op, prescale, postscale)
+                self._hvd_op, prescale, postscale, self._hvd_process_set)
             for handle, (p, grad, wire, ctx, _) in zip(handles, cpu_items):
                 self._hvd_handles[p] = (handle, grad, wire, ctx)
         for items in by_device.values():
@@ -127,9 +147,29 @@ class _DistributedOptimizer:
                 self._hvd_stager = CudaStager()
             handles = self._hvd_stager.allreduce_async_(
                 [(p, wire, name) for p, _, wire, _, name in items], self._hvd_op,
-                prescale, postscale)
+                prescale, postscale, self._hvd_process_set)
             for handle, (p, grad, wire, ctx, _) in zip(handles, items):
                 self._hvd_handles[p] = (handle, grad, wire, ctx)
+
+    def _hvd_sparse(self, p: torch.Tensor) -> T.TorchHandle:
+        """A sparse gradient (an embedding's): allgathered as indices and values."""
+        from hvd_spark.torch.mpi_ops import sparse_allreduce_async
+
+        op = ReduceOp.Sum if self._hvd_op == ReduceOp.Sum else ReduceOp.Average
+        handle = sparse_allreduce_async(p.grad, f"allreduce.{self._hvd_names[p]}", op,
+                                        self._hvd_process_set)
+
+        def finish(_: list) -> torch.Tensor:
+            p.grad = handle.wait()
+            return p.grad
+
+        return T.TorchHandle(handle.inner, finish)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated before each allreduce."""
+        if not isinstance(passes, int) or passes < 1:
+            raise ConfigError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        self._hvd_passes_per_step = passes
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (starting those whose hook has not fired).
@@ -138,11 +178,12 @@ class _DistributedOptimizer:
         which did use them are not left waiting.
         """
         self._hvd_flush()
+        self._hvd_group_ready.clear()
         self._hvd_start([p for p in self._hvd_params if p not in self._hvd_handles])
         try:
             for handle, grad, wire, ctx in self._hvd_handles.values():
                 handle.wait()
-                if wire is not grad:
+                if wire is not None and wire is not grad:
                     with torch.no_grad():
                         grad.copy_(self._hvd_compression.decompress(wire, ctx))
         finally:
@@ -184,6 +225,31 @@ class _DistributedOptimizer:
             self._hvd_stager = None
 
 
+def _grad_groups(optimizer: torch.optim.Optimizer, num_groups: int,
+                 groups: int | list | None) -> list[list[torch.Tensor]]:
+    """Horovod's ``num_groups``/``groups`` as lists of parameters submitted together."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        num_groups, groups = groups, None
+    if groups is not None:
+        if num_groups:
+            raise ConfigError("pass either num_groups or groups to DistributedOptimizer, not both")
+        if not isinstance(groups, (list, tuple)) or any(
+                not isinstance(g, (list, tuple)) for g in groups):
+            raise ConfigError("groups must be a list of lists of parameters (or an int)")
+        known = {id(p) for p in params}
+        out = [list(g) for g in groups]
+        if any(id(p) not in known for g in out for p in g):
+            raise ConfigError("groups names a parameter the optimizer does not train")
+        return [g for g in out if g]
+    if not isinstance(num_groups, int) or num_groups < 0:
+        raise ConfigError(f"num_groups must be an integer >= 0, got {num_groups!r}")
+    if num_groups == 0:
+        return []
+    size = -(-len(params) // num_groups)
+    return [params[i : i + size] for i in range(0, len(params), size)]
+
+
 _classes: dict[type, type] = {}
 
 
@@ -194,6 +260,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     backward_passes_per_step: int = 1,
     op: ReduceOp = ReduceOp.Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: int | list[list[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
+    process_set: C.ProcessSet = C.global_process_set,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses gradients averaged over all ranks.
 
@@ -212,6 +282,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         op: ``Average`` or ``Sum`` over ranks.
         gradient_predivide_factor: With Average, divide by this before the sum and by
             ``size / factor`` after (guards float16 against overflow).
+        num_groups: Split the parameters, in order, into this many groups; each group's
+            gradients are submitted together once all are ready (0: no groups).
+        groups: Instead, an explicit list of parameter lists (or an int, as num_groups).
+        sparse_as_dense: Densify sparse gradients (embeddings) and allreduce them; else
+            they are allgathered as indices and values.
+        process_set: Average over this process set's ranks only.
 
     Raises:
         ConfigError: Duplicate or missing names, or a bad argument.
@@ -228,15 +304,16 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         op = ReduceOp(op)
     except ValueError:
         raise ConfigError(f"op={op!r} is not supported; use Average or Sum") from None
-    if op not in (ReduceOp.Average, ReduceOp.Sum):
+    if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum):
         raise ConfigError(
-            f"DistributedOptimizer reduces gradients with Average or Sum, not {op.name}")
+            f"DistributedOptimizer reduces gradients with Average, Sum or Adasum, not {op.name}")
     if gradient_predivide_factor <= 0:
         raise ConfigError(
             f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
     if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
         raise ConfigError("gradient_predivide_factor only applies with op=Average")
     names = _param_names(optimizer, named_parameters)
+    param_groups = _grad_groups(optimizer, num_groups, groups)
     base = type(optimizer)
     cls = _classes.get(base)
     if cls is None:
@@ -246,5 +323,6 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     # which may need arguments we do not know and would drop existing state.
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
-    dist._hvd_setup(names, compression, backward_passes_per_step, op, gradient_predivide_factor)
+    dist._hvd_setup(names, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                    param_groups, sparse_as_dense, process_set)
     return dist
