@@ -184,7 +184,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     gradient_predivide_factor: float = 1.0, op: ReduceOp = ReduceOp.Average,
     backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
     num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
-    scale_local_gradients: bool = True,
+    scale_local_gradients: bool = True, use_locking: bool = False,
 ) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so gradients are reduced across ranks before each update.
 
@@ -211,6 +211,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         process_set: The ranks that average their gradients.
         scale_local_gradients: Divide the gradients of ``register_local_var`` variables
             by the set's size.
+        use_locking: ``horovod.tensorflow``'s TF1 flag (keyword here); ignored.
 
     Returns:
         An optimizer of class ``Distributed<OptimizerClass>``, usable in ``model.compile``.
@@ -218,7 +219,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     Raises:
         ConfigError: ``optimizer`` is not a Keras 3 optimizer, or a bad setting.
     """
-    del device_dense, device_sparse
+    del device_dense, device_sparse, use_locking
     if isinstance(optimizer, _DistributedMixin):
         raise ConfigError("DistributedOptimizer: this optimizer is already distributed")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
