@@ -561,9 +561,11 @@ def alltoall(array, splits=None, name=None,
 def _reducescatter_build(array, op, prescale, postscale):
     def build(key: str, members):
         arr = _as_array(array, f"reducescatter {key!r}")
+        if arr.ndim == 0:
+            raise CollectiveArgumentError(
+                f"reducescatter {key!r} needs a tensor of rank >= 1 (it splits dim 0), got a "
+                "scalar")
         work = np.array(arr, order="C", copy=True)
-        if work.ndim == 0:
-            work = work.reshape(1)
         reduce_op = ReduceOp(op)
         if reduce_op == ReduceOp.Adasum:
             raise CollectiveArgumentError(

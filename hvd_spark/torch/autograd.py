@@ -119,7 +119,7 @@ class AlltoallFn(torch.autograd.Function):
 
 
 class ReducescatterFn(torch.autograd.Function):
-    """reducescatter; backward: gather the row-block gradients (divided by size for Average)."""
+    """reducescatter; backward: gather the row-block gradients (times size for Sum, as Horovod)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
@@ -131,8 +131,8 @@ class ReducescatterFn(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         name, op, scale, ps = ctx.args
         gathered = T.allgather_async(grad.contiguous(), _grad_name(name), ps).wait()
-        if op == ReduceOp.Average:
-            scale /= C.size() if ps is C.global_process_set else ps.size()
+        if op == ReduceOp.Sum:  # as Horovod: Sum scales by the size, Average passes through
+            scale *= C.size() if ps is C.global_process_set else ps.size()
         if scale != 1.0:
             gathered = gathered * scale
         return gathered, None, None, None, None, None

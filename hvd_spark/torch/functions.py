@@ -98,11 +98,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
-    """Return ``root_rank``'s picklable ``obj`` on every rank."""
-    return C.broadcast_object(obj, root_rank, name)
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
+                     process_set: C.ProcessSet = C.global_process_set) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` on every rank (of ``process_set``)."""
+    return C.broadcast_object(obj, root_rank, name, process_set)
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: C.ProcessSet = C.global_process_set) -> list[Any]:
     """Return every rank's picklable ``obj``, in rank order."""
-    return C.allgather_object(obj, name)
+    return C.allgather_object(obj, name, process_set)

@@ -205,25 +205,27 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None,
     return T.alltoall_async(tensor, splits, name, process_set)
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None,
-             name: str | None = None,
-        process_set: ProcessSet = global_process_set) -> tuple[torch.Tensor, torch.Tensor]:
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[j]`` rows to rank j (even split by default); differentiable.
 
     Returns:
-        The rows received from every rank, concatenated in rank order, and how many
-        rows came from each rank.
+        The rows received from every rank, concatenated in rank order; when ``splits``
+        was given, also how many rows came from each rank (Horovod's convention).
     """
     T._checked(tensor, "alltoall", "alltoall", name, process_set)
     if _wants_grad(tensor):
-        return G.AlltoallFn.apply(tensor, splits, name, process_set)
-    return T.alltoall_async(tensor, splits, name, process_set).wait()
+        out, received = G.AlltoallFn.apply(tensor, splits, name, process_set)
+    else:
+        out, received = T.alltoall_async(tensor, splits, name, process_set).wait()
+    return out if splits is None else (out, received)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
-                        op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> TorchHandle:
+                        op: ReduceOp | None = None,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> TorchHandle:
     """Start a reduce-scatter along dim 0."""
     return T.reducescatter_async(tensor, name, resolve_op(None, op),
                                  prescale_factor, postscale_factor, process_set)
@@ -231,9 +233,12 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-        process_set: ProcessSet = global_process_set) -> torch.Tensor:
-    """Reduce across ranks and return this rank's block of dim-0 rows; differentiable."""
+                  process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce across ranks and return this rank's block of dim-0 rows; differentiable.
+
+    Arguments in Horovod's order (``process_set`` before the scale factors).
+    """
     T._checked(tensor, "reducescatter", "reducescatter", name, process_set)
     op = resolve_op(None, op)
     wire, ctx = compression.compress(tensor)
@@ -300,23 +305,28 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allgather several tensors (each concatenated along dim 0 over the ranks)."""
-    return T.grouped_allgather_async(tensors, name, process_set).wait()
+    """Allgather several tensors (each concatenated along dim 0 over the ranks); differentiable."""
+    base = T._group_base("allgather", tensors, name)
+    return [allgather(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)]
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                                op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0,
-                                process_set: ProcessSet = global_process_set) -> TorchHandle:
+                                op: ReduceOp | None = None,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> TorchHandle:
     """Start reduce-scatters of several tensors; ``synchronize`` returns a list."""
     return T.grouped_reducescatter_async(tensors, name, resolve_op(None, op), prescale_factor,
                                          postscale_factor, process_set)
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
-                          op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0,
-                          process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Reduce-scatter several tensors; returns this rank's block of each."""
-    return grouped_reducescatter_async(tensors, name, op, prescale_factor, postscale_factor,
-                                       process_set).wait()
+                          compression: type[Compressor] = Compression.none,
+                          op: ReduceOp | None = None,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reduce-scatter several tensors; returns this rank's block of each; differentiable."""
+    base = T._group_base("reducescatter", tensors, name)
+    return [reducescatter(t, f"{base}.{i}", compression, op, process_set, prescale_factor,
+                          postscale_factor) for i, t in enumerate(tensors)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -70,6 +71,7 @@ class _DistributedOptimizer:
         self._hvd_sparse_as_dense = sparse_as_dense
         # Parameter -> its group (a list), for gradients that must go out together.
         self._hvd_group_of = {p: g for g in groups for p in g}
+        self._hvd_resparse: set = set()
         self._hvd_group_ready: dict[int, set] = {}
         self._hvd_compression = compression
         self._hvd_passes_per_step = passes
@@ -87,8 +89,10 @@ class _DistributedOptimizer:
         self._hvd_stager: CudaStager | None = None  # made at the first CUDA gradient
         self._hvd_synchronized = False
         self._hvd_should_sync = True
+        # A rank outside the process set trains alone, as in Horovod: no hooks, no averaging.
+        self._hvd_member = process_set.included() is not False
         self._hvd_hooks = [p.register_post_accumulate_grad_hook(self._hvd_on_grad)
-                           for p in self._hvd_params]
+                           for p in self._hvd_params] if self._hvd_member else []
 
     def _hvd_on_grad(self, p: torch.Tensor) -> None:
         if p in self._hvd_handles or p in self._hvd_bucket:
@@ -129,6 +133,7 @@ class _DistributedOptimizer:
                     self._hvd_handles[p] = (self._hvd_sparse(p), p.grad, None, None)
                     continue
                 p.grad = p.grad.to_dense()
+                self._hvd_resparse.add(p)  # the optimizer expects it sparse again (SparseAdam)
             grad = p.grad
             wire, ctx = self._hvd_compression.compress(grad)
             name = f"allreduce.{self._hvd_names[p]}"
@@ -165,6 +170,11 @@ class _DistributedOptimizer:
 
         return T.TorchHandle(handle.inner, finish)
 
+    @property
+    def _parameter_names(self) -> dict:
+        """Parameter -> the name its gradient is matched by (Horovod's attribute)."""
+        return self._hvd_names
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes are accumulated before each allreduce."""
         if not isinstance(passes, int) or passes < 1:
@@ -177,6 +187,9 @@ class _DistributedOptimizer:
         Parameters no rank-local backward reached get zero gradients, so that ranks
         which did use them are not left waiting.
         """
+        if not self._hvd_member:
+            self._hvd_synchronized = True
+            return
         self._hvd_flush()
         self._hvd_group_ready.clear()
         self._hvd_start([p for p in self._hvd_params if p not in self._hvd_handles])
@@ -186,7 +199,10 @@ class _DistributedOptimizer:
                 if wire is not None and wire is not grad:
                     with torch.no_grad():
                         grad.copy_(self._hvd_compression.decompress(wire, ctx))
+            for p in self._hvd_resparse:
+                p.grad = p.grad.to_sparse()
         finally:
+            self._hvd_resparse.clear()
             self._hvd_handles.clear()
             self._hvd_passes.clear()
         self._hvd_synchronized = True
@@ -204,6 +220,12 @@ class _DistributedOptimizer:
         """Average the gradients across ranks (unless already done), then step."""
         if self._hvd_should_sync and not self._hvd_synchronized:
             self.synchronize()
+        elif self._hvd_should_sync:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() context after "
+                "optimizer.synchronize(); the gradients were already averaged, so step() does "
+                "not average them again. Wrap step() in `with optimizer.skip_synchronize():` "
+                "to say so explicitly.", stacklevel=2)
         self._hvd_synchronized = False
         return super().step(closure)
 
