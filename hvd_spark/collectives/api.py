@@ -60,6 +60,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             return
         world = WorldInfo.from_env()
         config = EngineConfig.from_env()
+        _env.apply_log_level()
+        _env.warn_unsupported_horovod_vars()  # one log line naming what cannot be honoured
         factory = registry.resolve(_env.get_str(_env.BACKEND, "auto") or "auto")
         if not world.rendezvous_addr:
             # No launcher: a one-rank job, as Horovod gives a plain `python train.py`.

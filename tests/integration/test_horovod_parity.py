@@ -109,3 +109,23 @@ def test_timeline_records_every_phase(tmp_path):
     assert any(e.get("name") == "CYCLE_START" for e in events)
     meta = next(e for e in events if e.get("pid") == 0 and e["name"] == "process_name")
     assert "start_time_since_epoch_in_micros" in meta["args"]
+
+
+def test_horovod_variables_are_honoured_or_named_once():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging, hvd_spark.collectives as h\n"
+            "h.init(); h.shutdown(); h.init()\n"
+            "print(logging.getLogger('hvd_spark').level, h.api._engine.config.fusion_threshold)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVD_SPARK", "HOROVOD"))}
+    env.update(HOROVOD_LOG_LEVEL="DEBUG", HOROVOD_CCL_CACHE="1", HOROVOD_FUSION_THRESHOLD="1024",
+               HOROVOD_DYNAMIC_PROCESS_SETS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["10", "1024"]  # DEBUG level; Horovod's fusion threshold used
+    warnings = [ln for ln in out.stderr.splitlines() if "ignores these Horovod settings" in ln]
+    assert len(warnings) == 1 and "HOROVOD_CCL_CACHE" in warnings[0]
+    assert "DYNAMIC_PROCESS_SETS" not in warnings[0]
