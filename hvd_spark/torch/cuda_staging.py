@@ -14,7 +14,6 @@ a buffer is queued on the same stream after the copy out of it, so they never ov
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -67,7 +66,7 @@ class CudaStager:
     def __init__(self) -> None:
         self._hosts: dict[Any, torch.Tensor] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hvd_spark-cuda-stage")
-        self._timeout_s = float(os.environ.get(_env.TIMEOUT, DEFAULT_TIMEOUT_S))
+        self._timeout_s = _env.get_float(_env.TIMEOUT, DEFAULT_TIMEOUT_S)
 
     def allreduce_async_(
         self, items: Sequence[tuple[Any, torch.Tensor, str]], op: ReduceOp,
