@@ -266,7 +266,11 @@ class Engine:
             log.warning(
                 "collective %r has waited over %.0f s for ranks %s; they may be stuck or call "
                 "collectives with other names", name, self.config.stall_warning, missing)
-        coord.expire(now, self.config.timeout)
+        # HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: give up on a stalled tensor sooner than the timeout.
+        limit = self.config.timeout
+        if self.config.stall_shutdown > 0:
+            limit = min(limit, self.config.stall_shutdown)
+        coord.expire(now, limit)
         if not coord.has_ready() or self._cycle_remaining() > 0:
             return
         self._first_ready = None
@@ -304,6 +308,7 @@ class Engine:
             rows = [_row(n, response.kind) for n in response.names]
             tl.negotiate_end_all(rows)
             tl.start_all(rows, response.kind.upper())
+            tl.activity_start_all(rows, timeline.QUEUE)  # until the first phase begins
             trace = lambda activity: tl.activity_start_all(rows, activity)  # noqa: E731
         try:
             results = operations.execute(self._comm_for(members), response, entries, trace)

@@ -138,3 +138,24 @@ def timeline(path: str) -> dict:
     with open(path) as f:
         events = json.load(f)
     return {"events": events}
+
+
+def stalled() -> dict:
+    """Rank 1 comes late to one allreduce; rank 0 gives up at the stall shutdown time."""
+    import time
+
+    hvd.init()
+    if hvd.rank() == 1:
+        time.sleep(5)
+        try:
+            hvd.allreduce(np.ones(1), name="late")
+        except CollectiveError:
+            pass
+        return {}
+    start = time.monotonic()
+    try:
+        hvd.allreduce(np.ones(1), name="late")
+        error = "no error"
+    except CollectiveError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - start}

@@ -103,7 +103,7 @@ def test_timeline_records_every_phase(tmp_path):
     phases = [(e["ph"], e.get("name")) for e in events if e.get("pid") == known
               and e.get("ph") in ("B", "E")]
     begun = [name for ph, name in phases if ph == "B"]
-    assert begun[:2] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"]
+    assert begun[:3] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE"]
     assert "RING_ALLREDUCE" in begun
     assert sum(ph == "B" for ph, _ in phases) == sum(ph == "E" for ph, _ in phases)
     assert any(e.get("name") == "CYCLE_START" for e in events)
@@ -129,3 +129,10 @@ def test_horovod_variables_are_honoured_or_named_once():
     warnings = [ln for ln in out.stderr.splitlines() if "ignores these Horovod settings" in ln]
     assert len(warnings) == 1 and "HOROVOD_CCL_CACHE" in warnings[0]
     assert "DYNAMIC_PROCESS_SETS" not in warnings[0]
+
+
+def test_stall_shutdown_time_fails_a_stalled_tensor_early():
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2",
+           "HVD_SPARK_TIMEOUT": "60"}
+    out = run_local(jobs.stalled, num_proc=2, env=env)[0]
+    assert "did not submit it within 2.0 s" in out["error"] and out["seconds"] < 10
