@@ -56,6 +56,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
     floating-point tensors (Horovod's gradient: average, then keep this rank's rows).
     """
     del ignore_name_scope
+    kernel.check_process_set(process_set, "allgather")
     xs = [tf.convert_to_tensor(t) for t in tensors]
     if not xs:
         return []
@@ -122,6 +123,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Return root's ``tensor`` on every rank; the gradient (averaged) reaches the root only."""
     del ignore_name_scope
+    kernel.check_process_set(process_set, "broadcast")
     x = tf.convert_to_tensor(tensor)
     if not x.dtype.is_floating:
         return _raw_broadcast([x], root_rank, name, process_set)[0]
@@ -146,6 +148,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     on the assignments, so evaluating them (or the variables afterwards) sees root's data.
     """
     variables = list(variables)
+    kernel.check_process_set(process_set, "broadcast_")
     if not variables:
         return []
     values = _raw_broadcast([tf.convert_to_tensor(v) for v in variables], root_rank, name,
@@ -188,6 +191,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
             even split does not divide them (checked before anything is sent).
     """
     del ignore_name_scope
+    kernel.check_process_set(process_set, "alltoall")
     name = kernel.eager_name("alltoall", name, process_set)
     x = tf.convert_to_tensor(tensor)
     if x.shape.rank == 0:

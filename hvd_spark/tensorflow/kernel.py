@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_spark import collectives as C
-from hvd_spark.errors import CollectiveArgumentError
+from hvd_spark.errors import CollectiveArgumentError, ConfigError
 
 try:  # the one private TensorFlow name used: a map that runs inline (no inter-op pool)
     from tensorflow.python.data.ops.map_op import _MapDataset
@@ -111,6 +111,26 @@ def run(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     dataset = _MapDataset(source, body, use_inter_op_parallelism=False)
     outs = dataset.with_options(_DATA_OPTIONS).get_single_element()
     return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+
+def check_process_set(process_set: C.ProcessSet, what: str) -> None:
+    """Horovod's checks when an op is built: an unknown set is a ValueError (ConfigError).
+
+    Eagerly, a rank outside the set gets ``InvalidArgumentError`` at once, as in Horovod
+    (in a graph the op raises it when it runs).
+    """
+    if process_set is C.global_process_set:
+        return
+    if not isinstance(process_set, C.ProcessSet):
+        raise ConfigError(f"{what}: process_set must be a ProcessSet, got {process_set!r}")
+    included = process_set.included()
+    if included is None:
+        raise ConfigError(f"{what}: {process_set} was not added on this rank (or was "
+                          "removed); call add_process_set first")
+    if not included and tf.executing_eagerly():
+        raise tf.errors.InvalidArgumentError(
+            None, None, f"{what}: rank {C.rank()} is not a member of {process_set}; only its "
+            f"ranks {process_set.ranks} may call collectives on it")
 
 
 def eager_name(kind: str, name: str | None, process_set: C.ProcessSet) -> str | None:

@@ -137,6 +137,7 @@ def grouped_allreduce(
     """
     del device_dense, device_sparse, ignore_name_scope
     op = resolve_op(op, average)
+    kernel.check_process_set(process_set, "grouped_allreduce")
     if not tensors:
         return list(tensors)
     out: list[Any] = [None] * len(tensors)
@@ -172,6 +173,7 @@ def allreduce(
     """
     del device_dense, device_sparse, ignore_name_scope
     op = resolve_op(op, average)
+    kernel.check_process_set(process_set, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         name = kernel.eager_name("allreduce", name, process_set)
         _check_sparse(op, prescale_factor, postscale_factor, name, process_set)
@@ -257,6 +259,7 @@ def grouped_reducescatter(
     if op not in (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max,
                   ReduceOp.Product):
         raise NotImplementedError(f"reducescatter does not support op={op.name}")
+    kernel.check_process_set(process_set, "reducescatter")
     if not tensors:
         return list(tensors)
     name = kernel.eager_name("reducescatter", name, process_set)

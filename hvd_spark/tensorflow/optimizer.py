@@ -35,6 +35,7 @@ from hvd_spark.errors import ConfigError
 from hvd_spark.tensorflow.compression import Compression, Compressor, compression_name
 from hvd_spark.tensorflow.functions import check_same_everywhere
 from hvd_spark.tensorflow.gradients import GradientReducer, check_reduce_args, make_groups
+from hvd_spark.tensorflow.legacy_optimizer import LegacyDistributedOptimizer, wrap_legacy
 
 _CONFIG_KEY = "hvd_spark"
 _GRADS_NAME = "DistributedOptimizer.grads"
@@ -189,9 +190,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     """Wrap a Keras 3 optimizer so gradients are reduced across ranks before each update.
 
     Wrap before training: the new optimizer is rebuilt from ``optimizer.get_config()``
-    (its slots start empty). Scale the learning rate by ``size()`` as usual. The
-    arguments are those of Horovod's ``horovod.tensorflow.keras.DistributedOptimizer``,
-    in its order.
+    (its slots start empty). A TF1 ``tf.compat.v1.train.Optimizer`` (graphs) is wrapped
+    instead: its ``compute_gradients``/``minimize`` reduce the gradients. Scale the
+    learning rate by ``size()`` as usual. The arguments are those of Horovod's
+    ``horovod.tensorflow.keras.DistributedOptimizer``, in its order.
 
     Args:
         optimizer: A ``keras.optimizers.Optimizer`` (``tf.keras.optimizers.*`` in TF 2.16+).
@@ -211,23 +213,30 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
         process_set: The ranks that average their gradients.
         scale_local_gradients: Divide the gradients of ``register_local_var`` variables
             by the set's size.
-        use_locking: ``horovod.tensorflow``'s TF1 flag (keyword here); ignored.
+        use_locking: ``horovod.tensorflow``'s flag for TF1 optimizers (keyword here).
 
     Returns:
         An optimizer of class ``Distributed<OptimizerClass>``, usable in ``model.compile``.
 
     Raises:
-        ConfigError: ``optimizer`` is not a Keras 3 optimizer, or a bad setting.
+        ConfigError: ``optimizer`` is neither a Keras 3 nor a TF1 optimizer, or a bad
+            setting.
     """
-    del device_dense, device_sparse, use_locking
-    if isinstance(optimizer, _DistributedMixin):
+    del device_dense, device_sparse
+    if isinstance(optimizer, (_DistributedMixin, LegacyDistributedOptimizer)):
         raise ConfigError("DistributedOptimizer: this optimizer is already distributed")
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        reducer = GradientReducer(
+            "DistributedOptimizer.grads", compression, op, float(gradient_predivide_factor),
+            bool(sparse_as_dense), make_groups(num_groups, groups, "DistributedOptimizer"),
+            process_set, bool(scale_local_gradients))
+        return wrap_legacy(optimizer, reducer, name, use_locking, backward_passes_per_step)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ConfigError(
             f"DistributedOptimizer expects a Keras 3 optimizer (keras.optimizers.Optimizer, "
-            f"e.g. tf.keras.optimizers.SGD), got {type(optimizer).__module__}."
-            f"{type(optimizer).__name__}; for a custom training loop with another optimizer "
-            "use hvd.DistributedGradientTape instead")
+            f"e.g. tf.keras.optimizers.SGD) or a TF1 tf.compat.v1.train.Optimizer, got "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__}; for a custom training "
+            "loop with another optimizer use hvd.DistributedGradientTape instead")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise ConfigError(
             "DistributedOptimizer: wrap the inner optimizer, then pass it to "

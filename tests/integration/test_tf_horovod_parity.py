@@ -263,8 +263,25 @@ def _process_set_worker() -> dict:
         try:
             hvd.allreduce(tf.constant([1.0]), process_set=evens)
             out["outside"] = "no error"
-        except HvdSparkError as exc:
-            out["outside"] = str(exc)
+        except tf.errors.InvalidArgumentError as exc:  # Horovod's error for a non-member
+            out["outside"] = exc.message
+    fake = hvd.ProcessSet([0])
+    fake.process_set_id = 10  # never added
+    try:
+        hvd.allreduce(tf.constant([1.0]), process_set=fake)
+        out["fake"] = "no error"
+    except HvdSparkError as exc:
+        out["fake"] = f"{type(exc).__name__}: {exc}"
+    # A TF1 optimizer in a v1 graph: members average over the set, others keep their own.
+    with tf.Graph().as_default():
+        var = tf.compat.v1.get_variable("w", initializer=[0.0], use_resource=False)
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
+                                       process_set=evens)
+        step = opt.minimize(-var[0] * (r + 1.0) ** 2, var_list=[var])
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(step)
+            out["legacy"] = (type(opt).__name__, sess.run(var).tolist())
     out["everyone"] = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy().tolist()
     out["removed"] = hvd.remove_process_set(evens)
     return out
@@ -276,8 +293,11 @@ def test_process_sets_on_three_ranks():
         assert res["id"] == results[0]["id"] != 0
         assert res["included"] == (0 if r == 1 else 1) and res["size"] == 2
         assert res["everyone"] == [3.0] and res["removed"] is True
+        assert res["fake"].startswith("ConfigError") and "add_process_set" in res["fake"]
+        # (1 + 9) / 2 on ranks 0 and 2; rank 1 (outside the set) keeps its own 4.
+        assert res["legacy"] == ("LegacyDistributedOptimizer", [4.0 if r == 1 else 5.0])
         if r == 1:
-            assert "process set" in res["outside"].lower() or "member" in res["outside"]
+            assert "not a member" in res["outside"]
         else:
             assert res["sum"] == [4.0] and res["gather"] == [0, 2]
             assert res["tape"] == 2.0  # (1 + 3) / 2

@@ -59,7 +59,10 @@ def test_distributed_optimizer_settings_and_config():
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Sum,
                                  gradient_predivide_factor=2.0)
     with pytest.raises(ConfigError, match="Keras 3 optimizer"):
-        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+        hvd.DistributedOptimizer(object())
+    with pytest.raises(ConfigError, match="backward_passes_per_step > 1 needs a Keras"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                 backward_passes_per_step=2)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=3,
                                    average_aggregated_gradients=True, groups=2,
                                    op=hvd.Adasum)
