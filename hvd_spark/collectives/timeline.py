@@ -89,6 +89,7 @@ class Timeline:
             raise ConfigError(f"cannot create the timeline file {self.path!r}: {exc}") from exc
         self._t0_ns = time.perf_counter_ns()
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._events: list[tuple] = []
         self._states: dict[str, int] = {}
         self._closed = False
@@ -167,8 +168,9 @@ class Timeline:
         """``negotiate_end`` for several tensors (one response), with one timestamp."""
         if self._closed:
             return
-        states, events = self._states, self._events
+        states = self._states
         with self._lock:
+            events = self._events  # read under the lock: a flush swaps the list
             ts = time.perf_counter_ns()
             for name in names:
                 if states.get(name) == _NEGOTIATING:
@@ -279,16 +281,19 @@ class Timeline:
             self._flush()
 
     def _flush(self) -> None:
-        with self._lock:
-            events, self._events = self._events, []
-        if not events or self._write_error is not None:
-            return
-        try:
-            self._write(self._format(events))
-        except OSError as exc:  # a full disk must not stop training: stop the timeline
-            self._write_error = exc
-            log.error("writing the timeline %s failed (%s); no more events are recorded",
-                      self.path, exc)
+        # One flush at a time (the writer thread's and close()'s), taking events and writing
+        # them under the same lock: batches reach the file whole and in order.
+        with self._flush_lock:
+            with self._lock:
+                events, self._events = self._events, []
+            if not events or self._write_error is not None:
+                return
+            try:
+                self._write(self._format(events))
+            except OSError as exc:  # a full disk must not stop training: stop the timeline
+                self._write_error = exc
+                log.error("writing the timeline %s failed (%s); no more events are recorded",
+                          self.path, exc)
 
     def _header(self) -> list[str]:
         # The wall-clock time of ts 0, so several ranks' files can be aligned.
@@ -369,8 +374,9 @@ class Timeline:
             self._writer.join(_CLOSE_TIMEOUT_S)
         self._flush()
         try:
-            if not self._started_file and self._write_error is None:
-                self._write([])  # the header alone
+            with self._flush_lock:
+                if not self._started_file and self._write_error is None:
+                    self._write([])  # the header alone
         except OSError as exc:
             log.error("writing the timeline %s failed: %s", self.path, exc)
         finally:
