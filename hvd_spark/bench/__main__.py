@@ -17,9 +17,17 @@ BENCHMARKS = {
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to the named benchmark's ``main(argv)``."""
     argv = sys.argv[1:] if argv is None else argv
+    lines = [f"  {name:10s} {desc}" for name, (_, desc) in BENCHMARKS.items()]
+    usage = ("usage: python -m hvd_spark.bench <benchmark> [options]\n\nbenchmarks:\n"
+             + "\n".join(lines) + "\n\n`python -m hvd_spark.bench <benchmark> --help` lists "
+             "a benchmark's options.")
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(usage)
+        return 0
     if not argv or argv[0] not in BENCHMARKS:
-        lines = [f"  {name:10s} {desc}" for name, (_, desc) in BENCHMARKS.items()]
-        print("usage: python -m hvd_spark.bench <benchmark> [options]\n" + "\n".join(lines))
+        if argv:
+            print(f"unknown benchmark {argv[0]!r}", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     module = importlib.import_module(BENCHMARKS[argv[0]][0])
     return int(module.main(argv[1:]) or 0)

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 
-from hvd_spark import _env
+from hvd_spark import __version__, _env
 from hvd_spark.errors import WorkerFailedError
 from hvd_spark.runner.local_launcher import run_command
+
+# What a shell exits with for a command it cannot find / cannot execute.
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse hvdrun's options; everything after them is the command."""
     parser = argparse.ArgumentParser(
-        prog="hvdrun", description="Run a command as N local ranks of an hvd_spark job."
+        prog="hvdrun", description="Run a command as N local ranks of an hvd_spark job.",
+        epilog="hvdrun exits with the exit code of the rank whose failure is the root cause "
+               "(128+N when it was killed by signal N), 127 when the command is not found.",
     )
+    parser.add_argument("--version", action="version", version=f"hvdrun (hvd_spark) {__version__}")
     parser.add_argument("-np", "--num-proc", type=int, required=True, help="number of ranks")
     parser.add_argument(
         "--timeout", type=float, default=None,
@@ -29,17 +38,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _command_problem(program: str) -> tuple[int, str] | None:
+    """Why ``program`` cannot be started (exit code and one line), or None when it can."""
+    if os.sep in program:
+        if not os.path.exists(program):
+            return EXIT_NOT_FOUND, f"{program}: no such file"
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            return EXIT_NOT_EXECUTABLE, f"{program}: not an executable file"
+        return None
+    if shutil.which(program) is None:
+        return EXIT_NOT_FOUND, f"{program}: command not found on PATH"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hvdrun`` console script."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    problem = _command_problem(args.command[0])
+    if problem is not None:
+        code, line = problem
+        print(f"hvdrun: cannot run {line}", file=sys.stderr)
+        return code
     env = {}
     if args.timeout is not None:
         env[_env.TIMEOUT] = str(args.timeout)
         env[_env.START_TIMEOUT] = str(args.timeout)
-    failures = run_command(args.command, args.num_proc, env)
+    try:
+        failures = run_command(args.command, args.num_proc, env)
+    except OSError as exc:  # the program vanished or lost its permissions after the check
+        print(f"hvdrun: cannot run {args.command[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
     if failures:
-        print(f"hvdrun: {WorkerFailedError(failures)}", file=sys.stderr)
-        return 1
+        error = WorkerFailedError(failures)
+        print(f"hvdrun: {error}", file=sys.stderr)
+        return error.root_cause.shell_exit_code()
     return 0
 
 

@@ -20,6 +20,8 @@ class WorkerFailure:
         traceback: Formatted remote traceback ("" when the process died without one).
         timestamp: ``time.time()`` when the failure happened or was noticed.
         secondary: True when it is likely a consequence of another rank's failure.
+        exit_code: The process's exit status when it ended without reporting (negative:
+            killed by that signal); None when the rank reported an exception.
     """
 
     rank: int
@@ -28,6 +30,7 @@ class WorkerFailure:
     traceback: str = ""
     timestamp: float = dataclasses.field(default_factory=time.time)
     secondary: bool = False
+    exit_code: int | None = None
 
     @classmethod
     def from_exception(cls, rank: int, host: str, exc: BaseException) -> WorkerFailure:
@@ -49,6 +52,17 @@ class WorkerFailure:
             how = f"exited with code {returncode} without reporting a result"
         if torn_down:
             how += " (stopped by the launcher after another rank failed)"
-        return cls(rank=rank, host=host, message=f"process {how}", secondary=torn_down)
+        return cls(rank=rank, host=host, message=f"process {how}", secondary=torn_down,
+                   exit_code=returncode)
+
+    def shell_exit_code(self) -> int:
+        """The status a launcher should exit with for this failure, as a shell reports it.
+
+        The process's own non-zero code; 128 + N for a process killed by signal N;
+        1 for a reported exception (what the rank's process exits with).
+        """
+        if self.exit_code is None or self.exit_code == 0:
+            return 1
+        return 128 - self.exit_code if self.exit_code < 0 else self.exit_code
 
 

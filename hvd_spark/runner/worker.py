@@ -16,6 +16,7 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S
+from hvd_spark.errors import ConfigError
 from hvd_spark.runner.failures import WorkerFailure
 
 FN_KEY = "fn"
@@ -28,9 +29,9 @@ def _hostname() -> str:
 
 def main() -> int:
     """Run the job's function as this rank; return the process exit code."""
-    rank = int(_env.require_str(_env.RANK))
-    secret = bytes.fromhex(_env.require_str(_env.SECRET))
-    addr = wire.parse_addr(_env.require_str(_env.RENDEZVOUS_ADDR))
+    rank = _require_int(_env.RANK)
+    secret = _require_hex(_env.SECRET)
+    addr = wire.parse_addr(_env.require_str(_env.RENDEZVOUS_ADDR), _env.RENDEZVOUS_ADDR)
     timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
     store = StoreClient(addr, secret, timeout)
     try:
@@ -55,6 +56,21 @@ def main() -> int:
         return 0
     finally:
         store.close()
+
+
+def _require_int(name: str) -> int:
+    value = _env.require_str(name)
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer; the launcher sets it") from None
+
+
+def _require_hex(name: str) -> bytes:
+    try:
+        return bytes.fromhex(_env.require_str(name))
+    except ValueError:
+        raise ConfigError(f"{name} is not hex-encoded; the launcher sets it") from None
 
 
 def _leave_collectives() -> None:
