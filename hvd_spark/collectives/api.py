@@ -68,8 +68,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             comm_, control = factory(world, config, {}), {}
         else:
             start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
-            store = StoreClient(wire.parse_addr(world.rendezvous_addr), world.secret,
-                                start_timeout)
+            addr = wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR)
+            store = StoreClient(addr, world.secret, start_timeout)
             try:
                 mesh = build_mesh(
                     world.rank, world.size, store, world.secret, world.hostname,

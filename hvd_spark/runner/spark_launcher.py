@@ -203,7 +203,10 @@ class SparkLaunch:
             missing = sorted(set(range(self.num_proc)) - set(outcome.results))
             raise HvdSparkError(
                 f"the Spark barrier job ended without results from ranks {missing}: "
-                f"{outcome.spark_error}") from outcome.spark_error
+                f"{outcome.spark_error}. Check that the executors' Python (PYSPARK_PYTHON, "
+                "spark.pyspark.python) is the same version as the driver's and has hvd_spark "
+                "and its dependencies installed, and the executor logs for a crash"
+            ) from outcome.spark_error
         return [outcome.results[r] for r in range(self.num_proc)]
 
     def _supervise(self, out: _Outcome) -> None:

@@ -16,7 +16,12 @@ import struct
 import time
 from typing import Any
 
-from hvd_spark.errors import AuthenticationError, CollectiveTimeoutError, PeerDisconnectedError
+from hvd_spark.errors import (
+    AuthenticationError,
+    CollectiveTimeoutError,
+    ConfigError,
+    PeerDisconnectedError,
+)
 
 _MAGIC = b"HVDSPRK1"
 _NONCE_BYTES = 16
@@ -168,13 +173,35 @@ def send_obj(sock: socket.socket, obj: Any, what: str = "peer") -> None:
 
 
 def recv_obj(sock: socket.socket, what: str = "peer") -> Any:
-    """Receive one pickled frame from an authenticated socket."""
-    return pickle.loads(recv_frame(sock, what))
+    """Receive one pickled frame from an authenticated socket.
+
+    Raises:
+        PeerDisconnectedError: The frame is not a whole pickle (a peer from another
+            version of hvd_spark, or a broken stream), naming ``what``.
+    """
+    frame = recv_frame(sock, what)
+    try:
+        return pickle.loads(frame)
+    except (pickle.UnpicklingError, EOFError, ValueError) as exc:
+        raise PeerDisconnectedError(
+            f"{what} sent a frame of {len(frame)} bytes that does not unpickle ({exc}); "
+            "check that every rank runs the same hvd_spark version"
+        ) from None
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
-    """Split ``host:port`` (IPv6 hosts in brackets) into a tuple."""
+def parse_addr(addr: str, what: str = "address") -> tuple[str, int]:
+    """Split ``host:port`` (IPv6 hosts in brackets) into a tuple.
+
+    Args:
+        addr: The address text.
+        what: Where it came from (a variable's name, a peer), named in the error.
+
+    Raises:
+        ConfigError: ``addr`` is not ``host:port`` with a port in 1..65535.
+    """
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"address {addr!r} is not of the form host:port")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"{what}={addr!r} is not of the form host:port (with a port in 1..65535)"
+        )
     return host.strip("[]"), int(port)
