@@ -196,9 +196,18 @@ def _create_segment(size: int, tag: str) -> tuple[str, bytes, mmap.mmap]:
     path = os.path.join(_shm_dir(), f"hvd_spark_{tag}_{os.getpid()}_{token.hex()[:16]}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, size)
+        # Reserve the pages now: a sparse file on a full /dev/shm would SIGBUS at the
+        # first write; an error here lets the caller fall back to TCP instead.
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:  # macOS: no reservation call; a sparse file as before
+            os.ftruncate(fd, size)
         mapping = mmap.mmap(fd, size)
-    finally:
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    else:
         os.close(fd)
     mapping[:_TOKEN_BYTES] = token
     return path, token, mapping
@@ -236,7 +245,8 @@ def negotiate_shm(
     try:
         path, token, out_map = _create_segment(size, tag)
     except OSError as exc:
-        log.info("no shared memory with rank %d (%s); using TCP", peer, exc)
+        log.warning("cannot reserve %d bytes of shared memory for rank %d in %s (%s); "
+                    "using TCP with that rank", size, peer, _shm_dir(), exc)
         path, token, out_map = "", b"", None
     try:
         wire.send_obj(sock, ("shm-offer", path, token, size), what)
