@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import select
 import socket
 import threading
 import time
@@ -19,6 +20,8 @@ from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.errors import AuthenticationError, HvdSparkError, RendezvousTimeoutError
 
 log = logging.getLogger(__name__)
+
+_ACCEPT_POLL_S = 0.2
 
 DATA = "data"
 CONTROL = "ctrl"
@@ -51,16 +54,28 @@ class _Acceptor:
         self.accepted: dict[tuple[str, int], socket.socket] = {}
         self.rejected = 0
         self._cond = threading.Condition()
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hvd-accept", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while True:
+        # Closing a listener does not wake a thread blocked in accept() on Linux: poll
+        # with a short timeout so stop() ends this thread instead of leaking it.
+        while not self._stop.is_set():
             try:
+                readable, _, _ = select.select([self._listener], [], [], _ACCEPT_POLL_S)
+                if not readable:
+                    continue
                 conn, peer = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handshake, args=(conn, peer), daemon=True).start()
+            except (OSError, ValueError):
+                return  # the listener was closed
+            threading.Thread(target=self._handshake, args=(conn, peer),
+                             name="hvd-handshake", daemon=True).start()
+
+    def stop(self) -> None:
+        """End the accept loop (bounded wait); the caller closes the listener after."""
+        self._stop.set()
+        self._thread.join(2 * _ACCEPT_POLL_S + 1.0)
 
     def _handshake(self, conn: socket.socket, peer: tuple) -> None:
         try:
@@ -138,6 +153,7 @@ def build_mesh(
         for (purpose, peer), sock in acceptor.accepted.items():
             (data if purpose == DATA else control)[peer] = sock
     finally:
+        acceptor.stop()
         listener.close()
     for sock in [*data.values(), *control.values()]:
         sock.settimeout(timeout)

@@ -72,6 +72,11 @@ class StoreServer:
         with self._cond:
             self._cond.notify_all()
         try:
+            # Closing alone does not wake a thread blocked in accept() on Linux; shutdown does.
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
             self._listener.close()
         except OSError:
             pass
