@@ -253,6 +253,10 @@ def _aggregate(df: Any, columns: list[ColumnSpec], is_val: Any, val_col: str | N
         if c.kind != "scalar":
             aggs += [F.min(F.size(col)).alias(f"min_{i}"), F.max(F.size(col)).alias(f"max_{i}"),
                      count_if(F.exists(col, lambda x: x.isNull())).alias(f"nullel_{i}")]
+        if c.dtype.startswith("float"):
+            # NaN/inf would train silently to a NaN model: count the rows holding any.
+            bad = (F.exists(col, _non_finite) if c.kind != "scalar" else _non_finite(col))
+            aggs.append(count_if(bad).alias(f"nonfinite_{i}"))
     if val_col is not None:
         val = F.col("__hvd_spark_val_col")
         bad = val.isNull() | ~val.cast("double").isin(0.0, 1.0)
@@ -263,6 +267,12 @@ def _aggregate(df: Any, columns: list[ColumnSpec], is_val: Any, val_col: str | N
     # Order-independent content fingerprint; decimal avoids overflow of a long sum.
     aggs.append(F.sum(F.xxhash64(*hashed).cast("decimal(38,0)")).alias("fingerprint"))
     return df.agg(*aggs).collect()[0].asDict()
+
+
+def _non_finite(x: Any) -> Any:
+    from pyspark.sql import functions as F
+
+    return F.isnan(x) | (F.abs(x) == F.lit(float("inf")))
 
 
 def _check_stats(stats: dict, columns: list[ColumnSpec], validation: Any, num_proc: int,
@@ -286,6 +296,12 @@ def _check_stats(stats: dict, columns: list[ColumnSpec], validation: Any, num_pr
                             "every row must have the same length (pad or truncate them)")
         if lo == 0:
             raise DataError(f"column {c.name!r} holds empty arrays")
+    bad = {c.name: stats[f"nonfinite_{i}"] for i, c in enumerate(columns)
+           if stats.get(f"nonfinite_{i}")}
+    if bad:
+        listed = ", ".join(f"{k!r} ({v} rows)" for k, v in bad.items())
+        raise DataError(f"NaN or infinite values in column(s) {listed}; drop or replace those "
+                        "rows (e.g. df.replace(float('nan'), 0.0) or a filter on isnan) first")
     if stats.get("val_bad"):
         raise DataError(
             f"validation column {validation!r} has {stats['val_bad']} row(s) that are not 0/1 "

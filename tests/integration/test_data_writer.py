@@ -141,6 +141,11 @@ def test_bad_settings_and_schema_fail_before_any_job(spark, tmp_path, kwargs, er
          r"column 'arr' has arrays of unequal length \(1 to 2\)"),
         ([(1, 1.0, [1.0, None], 0)] + [(i, 1.0, [1.0, 2.0], 0) for i in range(2, 9)], {},
          r"column 'arr' has null elements"),
+        ([(1, float("nan"), [1.0], 0)] + [(i, 1.0, [1.0], 0) for i in range(2, 9)], {},
+         r"NaN or infinite values in column\(s\) 'x' \(1 rows\)"),
+        ([(1, 1.0, [1.0, float("-inf")], 0), (2, 1.0, [float("nan"), 1.0], 0)]
+         + [(i, 1.0, [1.0, 2.0], 0) for i in range(3, 9)], {},
+         r"NaN or infinite values in column\(s\) 'arr' \(2 rows\)"),
         ([(i, 1.0, [1.0], i % 3) for i in range(9)], {"validation": "v"},
          r"validation column 'v' has 3 row\(s\) that are not 0/1 \(null, or values from 2.0"),
         ([(i, 1.0, [1.0], 0) for i in range(7)], {},
