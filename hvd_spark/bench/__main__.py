@@ -11,6 +11,7 @@ BENCHMARKS = {
     "keras": ("hvd_spark.bench.keras_bench", "Keras DistributedOptimizer vs MWMS"),
     "spark": ("hvd_spark.bench.spark_overhead", "hvd_spark.run overhead vs TorchDistributor"),
     "reader": ("hvd_spark.bench.reader_bench", "Parquet reader rows/s vs a plain scan"),
+    "transform": ("hvd_spark.bench.transform_bench", "Model.transform rows/s: Arrow vs pandas"),
 }
 
 
