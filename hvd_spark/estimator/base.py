@@ -187,6 +187,9 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         self._check_params()
         backend = self._backend()
         store = self._store()
+        payload = self._checked_payload()
+        _check_slots(backend)
+        _check_writable(store)
         seed = self.value("random_seed")
         dataset = writer.prepare_data(
             df, store,
@@ -200,7 +203,32 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             partitions_per_process=self.value("partitions_per_process"),
             seed=0 if seed is None else seed,
         )
-        return self._fit_on_dataset(dataset, store)
+        return self._fit_on_dataset(dataset, store, payload)
+
+    def _checked_payload(self) -> Any:
+        """The payload, or a ConfigError naming the parameter that cannot be shipped."""
+        import cloudpickle
+
+        try:
+            payload = self._payload()
+            cloudpickle.dumps(payload)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's object
+            culprit = "model"
+            for name in _SHIPPED_PARAMS:
+                if not self.hasParam(name):
+                    continue
+                try:
+                    cloudpickle.dumps(self.value(name))
+                except Exception:  # noqa: BLE001 - this one is the culprit
+                    culprit = name
+                    break
+            raise ConfigError(
+                f"{culprit} cannot be pickled to ship it to the workers "
+                f"({type(exc).__name__}: {exc}); it must not hold open files, locks, sockets "
+                "or a SparkSession (define such objects inside the model instead)") from exc
+        return payload
 
     def fit_on_parquet(self, params: dict | None = None, dataset_idx: Any = None) -> HvdModel:
         """Train on data already written to the store, without a DataFrame (Horovod's API).
@@ -232,7 +260,8 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             sample_weight_col=self.value("sample_weight_col"))
         return self._fit_on_dataset(dataset, store)
 
-    def _fit_on_dataset(self, dataset: DatasetSpec, store: Store) -> HvdModel:
+    def _fit_on_dataset(self, dataset: DatasetSpec, store: Store,
+                        payload: Any = None) -> HvdModel:
         self._check_dataset(dataset)
         # A generated id is not stored on the estimator: fitting it again starts afresh.
         run_id = self.value("run_id") or f"run_{uuid.uuid4().hex[:12]}"
@@ -263,7 +292,9 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         if self.value("verbose") >= 1 and progress.in_notebook():
             stdout = progress.NotebookProgress(spec.epochs)
         backend = self._backend(stdout)
-        results = backend.run(self._worker(), args=(spec, self._payload()),
+        if payload is None:
+            payload = self._checked_payload()
+        results = backend.run(self._worker(), args=(spec, payload),
                               env=self._worker_env())
         return self._make_model(results[0], run_id)
 
@@ -352,6 +383,34 @@ class HvdModel(Model, KeywordParams, PickledPersistence):
         meta = json.loads(blobs["trained.json"])
         self._set_trained(blobs["model.bin"], meta["history"], meta["output_shapes"],
                           meta["run_id"])
+
+
+_SHIPPED_PARAMS = ("model", "optimizer", "loss", "loss_constructors", "metrics", "callbacks",
+                   "custom_objects", "train_minibatch_fn", "transformation_fn",
+                   "checkpoint_callback")
+
+
+def _check_slots(backend: Backend) -> None:
+    """Refuse num_proc above the cluster's task slots before any data is written."""
+    if isinstance(backend, SparkBackend):
+        from hvd_spark.runner.spark_launcher import active_session, check_cluster
+
+        check_cluster(active_session().sparkContext, backend.num_processes())
+
+
+def _check_writable(store: Store) -> None:
+    """Write and remove a probe file, so an unwritable store fails before Spark does."""
+    probe = store.path(f".hvd_spark_write_probe_{uuid.uuid4().hex[:12]}")
+    fs = store.filesystem
+    try:
+        fs.create_dir(posixpath.dirname(probe), recursive=True)
+        with fs.open_output_stream(probe) as out:
+            out.write(b"ok")
+        fs.delete_file(probe)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError and ArrowException kinds
+        raise ConfigError(
+            f"store {store.url}: cannot write there ({type(exc).__name__}: {exc}); give a "
+            "store path that the driver and every executor can write to") from exc
 
 
 def _stored_dataset(store: Store, dataset_idx: Any, feature_cols: list[str],

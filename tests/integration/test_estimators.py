@@ -322,3 +322,24 @@ def test_torch_trains_through_a_custom_backend(frames, tmp_path):
     fitted = _torch_estimator(tmp_path, num_proc=None, backend=backend, epochs=2).fit(train)
     assert backend.calls == 1
     assert _accuracy(fitted.transform(test), "label__output") > 0.9
+
+
+def test_expensive_work_waits_for_slots_pickling_and_a_writable_store(frames, tmp_path):
+    import threading
+
+    import torch
+
+    train, _, _ = frames
+    store = tmp_path / "store"
+    with pytest.raises(ConfigError, match=r"num_proc=3 but the cluster runs at most 2"):
+        _torch_estimator(tmp_path, num_proc=3).fit(train)
+    model = torch.nn.Linear(4, 2)
+    model.lock = threading.Lock()  # cannot be pickled
+    with pytest.raises(ConfigError, match=r"^model cannot be pickled"):
+        _torch_estimator(tmp_path, model=model,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).fit(train)
+    assert not any(store.rglob("*.parquet"))  # refused before the dataset was written
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"cannot write there"):
+        _torch_estimator(tmp_path, store=str(blocker / "store")).fit(train)
