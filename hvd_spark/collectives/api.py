@@ -12,7 +12,7 @@ import itertools
 import pickle
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -233,6 +233,15 @@ def report_failure(kind: str, key: str, exc: BaseException,
         pass  # the name is in flight already (the error is about that) or the engine stopped
 
 
+def _fail_locally(kind: str, keys: list[str], exc: BaseException, members) -> NoReturn:
+    """Report ``keys``' local failure to the other ranks, then raise it as the project's error."""
+    for key in keys:
+        report_failure(kind, key, exc, members)
+    if isinstance(exc, HvdSparkError):
+        raise exc
+    raise CollectiveArgumentError(f"{kind} {keys[0]!r}: {exc}") from exc
+
+
 def _start(kind: str, name: str | None, process_set: ProcessSet, build) -> Handle:
     """Name, validate and submit one operation.
 
@@ -240,16 +249,12 @@ def _start(kind: str, name: str | None, process_set: ProcessSet, build) -> Handl
     raises, the failure is reported to the other ranks before it propagates.
     """
     _, engine = _require()
-    what = f"{kind} {name!r}" if name is not None else kind
-    members = _members(process_set, what)
+    members = _members(process_set, kind if name is None else f"{kind} {name!r}")
     key = auto_name(kind, name, process_set)
     try:
         request, work, finish = build(key, members)
     except (HvdSparkError, ValueError, TypeError) as exc:
-        report_failure(kind, key, exc, members)
-        if isinstance(exc, HvdSparkError):
-            raise
-        raise CollectiveArgumentError(f"{kind} {key!r}: {exc}") from exc
+        _fail_locally(kind, [key], exc, members)
     entry = Entry(request, Handle(key), work)
     if finish is not None:
         entry.finish = finish
@@ -375,11 +380,7 @@ def _many(kind: str, keys: list[str], builds: list, members) -> list[Handle]:
                 entry.finish = finish
             entries.append(entry)
     except (HvdSparkError, ValueError, TypeError) as exc:
-        for key in keys:
-            report_failure(kind, key, exc, members)
-        if isinstance(exc, HvdSparkError):
-            raise
-        raise CollectiveArgumentError(f"{kind} {keys[0]!r}: {exc}") from exc
+        _fail_locally(kind, keys, exc, members)
     # One batch: the coordinator sees all of them at once and fuses them.
     return engine.submit_many(entries) if entries else []
 
