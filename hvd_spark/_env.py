@@ -48,6 +48,12 @@ TIMELINE = "HVD_SPARK_TIMELINE"
 TIMELINE_MARK_CYCLES = "HVD_SPARK_TIMELINE_MARK_CYCLES"
 LOG_LEVEL = "HVD_SPARK_LOG_LEVEL"
 IFACE = "HVD_SPARK_IFACE"
+HEARTBEAT = "HVD_SPARK_HEARTBEAT_S"
+
+# Set by the elastic launchers: the worker joins generations instead of reading a fixed rank.
+ELASTIC = "HVD_SPARK_ELASTIC"
+WORKER_ID = "HVD_SPARK_WORKER_ID"
+ELASTIC_TIMEOUT = "HVD_SPARK_ELASTIC_TIMEOUT"
 
 # Horovod's worker environment and torch's names, exported by the launchers for
 # tools that read them (never read back by this package).
@@ -97,6 +103,7 @@ HOROVOD_FALLBACKS: dict[str, tuple[str, ...]] = {
     TIMELINE_MARK_CYCLES: ("HOROVOD_TIMELINE_MARK_CYCLES",),
     LOG_LEVEL: ("HOROVOD_LOG_LEVEL",),
     IFACE: ("HOROVOD_GLOO_IFACE",),
+    ELASTIC_TIMEOUT: ("HOROVOD_ELASTIC_TIMEOUT",),
 }
 
 
@@ -216,6 +223,7 @@ _LAUNCHER_OUTPUTS = {
     HOROVOD_CROSS_SIZE, HOROVOD_HOSTNAME, "HOROVOD_GLOO_RENDEZVOUS_ADDR",
     "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_SECRET_KEY", "HOROVOD_GLOO_GLOBAL_PREFIX",
     "HOROVOD_GLOO_LOCAL_PREFIX", "HOROVOD_GLOO_CROSS_PREFIX", "HOROVOD_GLOO_GET_RANK_AND_SIZE",
+    "HOROVOD_ELASTIC",
 }
 # Read by Horovod's pip build only; images built for Horovod often keep them set.
 _BUILD_PREFIXES = (
@@ -232,7 +240,6 @@ _FLAGS_WHY = {
     "HOROVOD_TORUS_ALLREDUCE": "torus allreduce is not implemented",
     "HOROVOD_AUTOTUNE": "autotuning is not implemented; set HVD_SPARK_FUSION_THRESHOLD and "
                         "HVD_SPARK_CYCLE_TIME",
-    "HOROVOD_ELASTIC": "elastic training is not supported yet",
     "HOROVOD_ENABLE_XLA_OPS": "XLA ops are not provided",
     "HOROVOD_ENABLE_ASYNC_COMPLETION": "a GPU-only option of Horovod's NCCL path",
     "HOROVOD_BATCH_D2D_MEMCOPIES": "a GPU-only option of Horovod's NCCL path",
@@ -254,7 +261,6 @@ _ALWAYS_WHY = {
     "HOROVOD_NUM_NCCL_STREAMS": "there is no NCCL backend yet",
     "HOROVOD_CCL_CACHE": "there is no oneCCL backend",
     "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "there is no MPI backend",
-    "HOROVOD_ELASTIC_TIMEOUT": "elastic training is not supported yet",
     "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "hvd_spark.run(use_gpu=True) gives each rank its "
                                               "task's GPUs",
     "HOROVOD_SPARK_WORK_DIR": "hvd_spark.run needs no work directory",

@@ -71,6 +71,11 @@ class HostsUpdatedInterrupt(HvdSparkError, RuntimeError):
         return (HostsUpdatedInterrupt, (self.skip_sync,))
 
 
+class ElasticJobError(HvdSparkError):
+    """An elastic job cannot continue: too few workers left, ``reset_limit`` reached, or no
+    generation of the ring formed in time; the message names what was lost and why."""
+
+
 class DataError(HvdSparkError):
     """Input data cannot be used for training (bad column, nulls, too few rows)."""
 

@@ -3,6 +3,7 @@
 Importing this package never imports pyspark, torch or tensorflow.
 """
 
+from hvd_spark.collectives import elastic
 from hvd_spark.collectives.api import (
     add_process_set,
     allgather,
@@ -69,6 +70,7 @@ from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
 from hvd_spark.errors import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = [
+    "elastic",
     "Adasum", "Average", "Handle", "HorovodInternalError", "HostsUpdatedInterrupt", "Max",
     "Min", "ProcessSet", "Product", "ReduceOp", "Sum", "add_process_set", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",

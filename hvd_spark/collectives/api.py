@@ -17,9 +17,10 @@ from typing import Any, NoReturn
 import numpy as np
 
 from hvd_spark import _env
+from hvd_spark.collectives import elastic, registry, timeline
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives import registry, timeline
 from hvd_spark.collectives.engine import Engine
+from hvd_spark.collectives.heartbeat import DEFAULT_HEARTBEAT_S, Heartbeat
 from hvd_spark.collectives.operations import Entry, Handle
 from hvd_spark.collectives.ops import ReduceOp, check_dtype, check_reduction, scale_in_place
 from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
@@ -27,7 +28,13 @@ from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.mesh import build_mesh
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S, EngineConfig, WorldInfo
-from hvd_spark.errors import CollectiveArgumentError, CollectiveError, ConfigError, HvdSparkError
+from hvd_spark.errors import (
+    CollectiveArgumentError,
+    CollectiveError,
+    ConfigError,
+    HvdSparkError,
+    PeerDisconnectedError,
+)
 
 _lock = threading.Lock()
 _world: WorldInfo | None = None
@@ -38,6 +45,10 @@ _names: dict[tuple[int, str], itertools.count] = {}
 #: Process sets added on this rank, by id (the global set is 0).
 _process_sets: dict[int, ProcessSet] = {}
 _homogeneous = [True]
+#: The heartbeat thread (one per process, kept across re-formed rings) and the ring
+#: generation it beats for (elastic jobs count generations; fixed jobs stay at 0).
+_heartbeat: list[Heartbeat] = []
+_generation = [0]
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
@@ -58,22 +69,38 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     with _lock:
         if _engine is not None:
             return
-        world = WorldInfo.from_env()
         config = EngineConfig.from_env()
         _env.apply_log_level()
         _env.warn_unsupported_horovod_vars()  # one log line naming what cannot be honoured
         factory = registry.resolve(_env.get_str(_env.BACKEND, "auto") or "auto")
+        if elastic.is_elastic():
+            member = elastic.membership()
+            _start_heartbeat(member.addr, member.secret, member.worker)
+            world = member.join()  # blocks until the launcher forms the next generation
+            epoch = _generation[0] = member.generation
+            if _heartbeat:
+                _heartbeat[0].set_generation(epoch)
+        else:
+            world = WorldInfo.from_env()
+            epoch = next(_epoch)
+            if world.rendezvous_addr and _env.get_str(_env.HEARTBEAT):
+                _start_heartbeat(wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR),
+                                 world.secret, str(world.rank))
         if not world.rendezvous_addr:
             # No launcher: a one-rank job, as Horovod gives a plain `python train.py`.
             comm_, control = factory(world, config, {}), {}
         else:
             start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+            if elastic.is_elastic():
+                # Members of a new generation are all alive and waiting: a ring that does
+                # not form quickly lost a member, and the next generation will do better.
+                start_timeout = min(start_timeout, elastic.MESH_TIMEOUT_S)
             addr = wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR)
             store = StoreClient(addr, world.secret, start_timeout)
             try:
                 mesh = build_mesh(
                     world.rank, world.size, store, world.secret, world.hostname,
-                    world.advertise_addr, start_timeout, next(_epoch),
+                    world.advertise_addr, start_timeout, epoch,
                 )
             finally:
                 store.close()
@@ -95,6 +122,25 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         timeline.start_timeline(config.timeline_path, config.timeline_mark_cycles)
     for ps in process_sets or ():
         add_process_set(ps)
+
+
+def _start_heartbeat(addr: tuple[str, int], secret: bytes, worker: str) -> None:
+    """Beat to the launcher from now on (once per process), if the launcher asked for it."""
+    interval = _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
+    if _heartbeat or interval <= 0:
+        if _heartbeat:
+            _heartbeat[0].set_generation(_generation[0])
+        return
+    beat = Heartbeat(addr, secret, worker, interval, _abort)
+    _heartbeat.append(beat)
+    atexit.register(beat.stop)
+
+
+def _abort(generation: int, reason: str) -> None:
+    """The launcher says ring ``generation`` is broken: fail its collectives now."""
+    engine = _engine
+    if engine is not None and generation == _generation[0]:
+        engine.abort(PeerDisconnectedError(reason))
 
 
 def shutdown() -> None:

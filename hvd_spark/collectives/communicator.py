@@ -65,6 +65,14 @@ class Communicator(abc.ABC):
         """
         raise BackendUnavailableError(f"the {self.name} backend does not support process sets")
 
+    def abort(self) -> None:
+        """Make operations blocked in another thread fail now (the job is breaking up).
+
+        Called from a thread other than the engine's; the engine still calls ``close``.
+        Backends with nothing to wake (no blocking waits of their own) keep this no-op.
+        """
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections; peers blocked on us fail promptly."""

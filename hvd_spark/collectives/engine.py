@@ -150,6 +150,23 @@ class Engine:
         self._wake()
         self._thread.join(self.config.timeout)
 
+    def abort(self, error: HvdSparkError) -> None:
+        """Fail this rank's collectives now with ``error`` (from any thread).
+
+        Used when the launcher reports a lost peer: operations blocked on it fail at once
+        with that reason instead of waiting for the collective timeout.
+        """
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+        for sock in self._control.values():
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.comm.abort()
+        self._wake()
+
     @property
     def failure(self) -> BaseException | None:
         """The error that stopped the engine, if any."""
@@ -319,6 +336,8 @@ class Engine:
             # or their callers would wait for the timeout.
             failure = exc if isinstance(exc, HvdSparkError) else CollectiveError(
                 f"collective {response.names[0]!r} failed on rank {self.rank}: {exc!r}")
+            if self._failure is not None:  # aborted: the reason beats the socket error
+                failure = self._error_for(response.names[0])
             for entry in entries:
                 self._complete(entry, error=failure)
             raise
@@ -378,7 +397,8 @@ class Engine:
             exc = CollectiveError(f"collectives engine on rank {self.rank} failed: {exc!r}")
         log.debug("engine on rank %d stopping: %s", self.rank, exc)
         with self._lock:
-            self._failure = exc
+            if self._failure is None:  # an abort's reason stays the reason
+                self._failure = exc
             entries = list(self._pending.values())  # queued entries are pending too
             self._pending.clear()
             self._queue.clear()

@@ -8,7 +8,9 @@ import shutil
 import sys
 
 from hvd_spark import __version__, _env
-from hvd_spark.errors import WorkerFailedError
+from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
+from hvd_spark.runner.elastic_driver import ElasticSettings
+from hvd_spark.runner.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob
 from hvd_spark.runner.local_launcher import run_command
 
 # What a shell exits with for a command it cannot find / cannot execute.
@@ -29,12 +31,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--timeout", type=float, default=None,
         help="seconds ranks may wait for each other, at start-up and in any collective",
     )
+    elastic = parser.add_argument_group(
+        "elastic training", "a lost rank is not fatal while --min-np remain (the script uses "
+        "hvd.elastic.run); replacements start in freed slots up to --max-np")
+    elastic.add_argument("--min-np", type=int, default=None, help="fewest ranks to go on with")
+    elastic.add_argument("--max-np", type=int, default=None, help="most ranks at once")
+    elastic.add_argument("--elastic-timeout", type=float, default=None,
+                         help="seconds to wait for survivors to rejoin or for replacements "
+                              "(default 600)")
+    elastic.add_argument("--reset-limit", type=int, default=None,
+                         help="most times the ring may re-form (default: no limit)")
+    elastic.add_argument("--cooldown", type=float, default=None,
+                         help="seconds after a loss before a replacement starts "
+                              f"(default {DEFAULT_COOLDOWN_S:g}; negative: never replace)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("give the command to run, e.g. hvdrun -np 2 python train.py")
     if args.num_proc < 1:
         parser.error(f"-np must be at least 1, got {args.num_proc}")
+    args.elastic = any(v is not None for v in (
+        args.min_np, args.max_np, args.elastic_timeout, args.reset_limit, args.cooldown))
+    if args.elastic:
+        try:
+            args.settings = ElasticSettings(
+                num_proc=args.num_proc,
+                min_np=args.min_np if args.min_np is not None else args.num_proc,
+                max_np=args.max_np if args.max_np is not None else args.num_proc,
+                start_timeout=args.timeout or 600.0,
+                elastic_timeout=args.elastic_timeout or 600.0,
+                reset_limit=args.reset_limit,
+                heartbeat_s=_env.get_float(_env.HEARTBEAT, 10.0))
+        except ConfigError as exc:
+            parser.error(str(exc).replace("min_np", "--min-np").replace("max_np", "--max-np")
+                         .replace("num_proc", "-np"))
     return args
 
 
@@ -63,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout is not None:
         env[_env.TIMEOUT] = str(args.timeout)
         env[_env.START_TIMEOUT] = str(args.timeout)
+    if args.elastic:
+        return _run_elastic(args, env)
     try:
         failures = run_command(args.command, args.num_proc, env)
     except OSError as exc:  # the program vanished or lost its permissions after the check
@@ -72,6 +104,21 @@ def main(argv: list[str] | None = None) -> int:
         error = WorkerFailedError(failures)
         print(f"hvdrun: {error}", file=sys.stderr)
         return error.root_cause.shell_exit_code()
+    return 0
+
+
+def _run_elastic(args: argparse.Namespace, env: dict[str, str]) -> int:
+    cooldown = DEFAULT_COOLDOWN_S if args.cooldown is None else args.cooldown
+    try:
+        with ElasticLocalJob(args.settings, args.command, env,
+                             cooldown=None if cooldown < 0 else cooldown) as job:
+            job.run()
+    except ElasticJobError as exc:
+        print(f"hvdrun: elastic job failed: {exc}", file=sys.stderr)
+        return 1
+    except WorkerFailedError as exc:
+        print(f"hvdrun: {exc}", file=sys.stderr)
+        return exc.root_cause.shell_exit_code()
     return 0
 
 

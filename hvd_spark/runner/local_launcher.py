@@ -50,7 +50,7 @@ def pickle_job(fn: Callable, args: Sequence, kwargs: dict | None) -> bytes:
     return cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Linux: the kernel sends SIGTERM to the rank if the launcher dies.
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
@@ -103,7 +103,7 @@ class LocalJob:
                    **rank_env(rank, self.num_proc, self.store.port, self.secret)}
             proc = subprocess.Popen(
                 list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
             self.procs.append(proc)
             self._output.follow(rank, proc.stdout, proc.stderr)

@@ -27,9 +27,22 @@ def _hostname() -> str:
     return _env.get_str(_env.HOSTNAME) or socket.gethostname()
 
 
+def _rank_for_report() -> int:
+    """The rank this process reports as: fixed by the launcher, or under an elastic
+    launcher the worker's rank in the last ring it belonged to (-1: it never joined)."""
+    if not _env.get_bool(_env.ELASTIC):
+        return _require_int(_env.RANK)
+    if "hvd_spark.collectives.api" in sys.modules:
+        from hvd_spark.collectives import api
+
+        if api.is_initialized():
+            return api.rank()
+    return -1
+
+
 def main() -> int:
     """Run the job's function as this rank; return the process exit code."""
-    rank = _require_int(_env.RANK)
+    rank = _rank_for_report()
     secret = _require_hex(_env.SECRET)
     addr = wire.parse_addr(_env.require_str(_env.RENDEZVOUS_ADDR), _env.RENDEZVOUS_ADDR)
     timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
@@ -38,9 +51,11 @@ def main() -> int:
         fn, args, kwargs = cloudpickle.loads(store.get(FN_KEY, timeout))
         try:
             result = fn(*args, **kwargs)
+            rank = _rank_for_report()
         except BaseException as exc:  # noqa: BLE001 - every failure is reported to the driver
+            rank = _rank_for_report()
             sys.stdout.flush()
-            store.call(REPORT, rank, "error", WorkerFailure.from_exception(rank, _hostname(), exc))
+            _report(store, rank, "error", WorkerFailure.from_exception(rank, _hostname(), exc))
             return 1
         try:
             payload = cloudpickle.dumps(result)
@@ -48,14 +63,22 @@ def main() -> int:
             failure = WorkerFailure(rank, _hostname(), (
                 f"the return value of fn on rank {rank} ({type(result).__name__}) cannot be "
                 f"pickled: {exc}; return plain data (numbers, lists, numpy arrays, state dicts)"))
-            store.call(REPORT, rank, "error", failure)
+            _report(store, rank, "error", failure)
             return 1
         _leave_collectives()
         sys.stdout.flush()
-        store.call(REPORT, rank, "ok", payload)
+        _report(store, rank, "ok", payload)
         return 0
     finally:
         store.close()
+
+
+def _report(store: StoreClient, rank: int, status: str, payload: object) -> None:
+    """Send the outcome; an elastic worker adds its id, since its rank may have changed."""
+    if _env.get_bool(_env.ELASTIC):
+        store.call(REPORT, rank, status, payload, _env.require_str(_env.WORKER_ID))
+    else:
+        store.call(REPORT, rank, status, payload)
 
 
 def _require_int(name: str) -> int:

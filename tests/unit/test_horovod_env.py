@@ -39,6 +39,7 @@ def test_honoured_launcher_and_build_variables_are_not_reported():
         # Flags asking for what hvd_spark does anyway, and the one controller it has.
         "HOROVOD_HIERARCHICAL_ALLREDUCE": "0", "HOROVOD_AUTOTUNE": "0",
         "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "GLOO",
+        "HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_TIMEOUT": "60",
         "PATH": "/bin",
     }
     assert _env.unsupported_horovod_vars(environ) == {}
@@ -48,7 +49,7 @@ def test_settings_that_cannot_be_honoured_are_reported_with_why():
     environ = {
         "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_AUTOTUNE": "1",
         "HOROVOD_AUTOTUNE_LOG": "/tmp/a.csv", "HOROVOD_CONTROLLER": "mpi",
-        "HOROVOD_THREAD_AFFINITY": "0,1", "HOROVOD_ELASTIC": "1",
+        "HOROVOD_THREAD_AFFINITY": "0,1",
         "HOROVOD_FUSION_THRESHOL": "1",  # a typo
     }
     found = _env.unsupported_horovod_vars(environ)

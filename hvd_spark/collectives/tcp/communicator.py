@@ -101,6 +101,17 @@ class TcpCommunicator(Communicator):
             send, send_counts, recv, recv_counts, self.rank, self.size, self.links, self.chunk_bytes
         )
 
+    def abort(self) -> None:
+        # shutdown() (unlike close) is safe while the engine thread uses the sockets,
+        # and wakes a recv blocked on them, over TCP and shared memory alike.
+        for link in self.links.values():
+            sock = getattr(link, "sock", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
     def close(self) -> None:
         if not getattr(self, "_owns_links", True):
             return  # a process set's view: the world communicator closes the links

@@ -1,0 +1,246 @@
+"""Elastic training, worker side: Horovod's ``hvd.elastic`` on the numpy collectives.
+
+Under an elastic launcher (``hvdrun --min-np``, ``hvd_spark.run_elastic``) a worker has no
+fixed rank: each ``init()`` joins the launcher's next *generation* of the ring and gets
+its rank there. The :func:`run` decorator turns failures into recovery: when a peer is
+lost, the collectives raise :class:`HorovodInternalError`; the decorator restores the last
+``commit()``, re-forms the ring among the survivors (``shutdown()`` + ``init()``), syncs the
+state from the new rank 0 and calls the training function again. When workers wait to
+join, ``commit()``/``check_host_updates()`` raise :class:`HostsUpdatedInterrupt` on every
+rank at the same step, and the ring re-forms with them.
+
+The framework bindings add ``TorchState``, ``TensorFlowKerasState`` and friends on top
+of :class:`State` and :class:`ObjectState`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from hvd_spark import _env
+from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp.store import StoreClient
+from hvd_spark.config import DEFAULT_START_TIMEOUT_S, WorldInfo
+from hvd_spark.errors import (
+    AuthenticationError,
+    ConfigError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    RendezvousTimeoutError,
+)
+
+log = logging.getLogger(__name__)
+
+JOIN = "elastic.join"
+VERSION = "elastic.version"
+DEFAULT_ELASTIC_TIMEOUT_S = 600.0
+#: Seconds a new generation's ring may take to connect before the worker rejoins.
+MESH_TIMEOUT_S = 30.0
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def is_elastic() -> bool:
+    """True in a worker started by an elastic launcher."""
+    return _env.get_bool(_env.ELASTIC)
+
+
+class Membership:
+    """This worker's link to the launcher's elastic driver (one per process)."""
+
+    def __init__(self) -> None:
+        self.worker = _env.require_str(_env.WORKER_ID)
+        self.addr = wire.parse_addr(_env.require_str(_env.RENDEZVOUS_ADDR), _env.RENDEZVOUS_ADDR)
+        try:
+            self.secret = bytes.fromhex(_env.require_str(_env.SECRET))
+        except ValueError:
+            raise ConfigError(f"{_env.SECRET} is not hex-encoded; the launcher sets it") from None
+        self.hostname = _env.get_str(_env.HOSTNAME) or ""
+        self.start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+        self.elastic_timeout = _env.get_float(_env.ELASTIC_TIMEOUT, DEFAULT_ELASTIC_TIMEOUT_S)
+        self._client = StoreClient(self.addr, self.secret, self.start_timeout)
+        self.generation = 0
+        self.version = 0
+
+    def join(self) -> WorldInfo:
+        """Wait for a place in the next generation; return this worker's world in it."""
+        budget = self.start_timeout + 2 * self.elastic_timeout + 10.0
+        got = self._client.call(JOIN, self.worker, self.hostname, self.generation,
+                                timeout=budget)
+        self.generation, self.version = got["generation"], got["version"]
+        log.info("worker %s joined generation %d as rank %d of %d", self.worker,
+                 self.generation, got["rank"], got["size"])
+        return WorldInfo(
+            rank=got["rank"], size=got["size"], local_rank=got["local_rank"],
+            local_size=got["local_size"], cross_rank=got["cross_rank"],
+            cross_size=got["cross_size"], rendezvous_addr=f"{self.addr[0]}:{self.addr[1]}",
+            secret=self.secret, hostname=self.hostname or got["host"],
+            advertise_addr=_env.get_str(_env.ADVERTISE_ADDR) or "",
+        )
+
+    def hosts_updated(self) -> bool:
+        """True when the driver has workers waiting to join this generation."""
+        return self._client.call(VERSION, timeout=30.0) > self.version
+
+
+_membership: list[Membership] = []
+
+
+def membership() -> Membership:
+    """This process's Membership, created at the first elastic ``init()``."""
+    if not _membership:
+        _membership.append(Membership())
+    return _membership[0]
+
+
+def _api():
+    from hvd_spark.collectives import api  # late: api imports this module
+
+    return api
+
+
+class State:
+    """Training state that survives a re-formed ring: saved by ``commit()``, restored on
+    failure, synced from rank 0 after every reset (Horovod's ``hvd.elastic.State``).
+
+    Subclasses implement ``save``, ``restore`` and ``sync``.
+    """
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: Sequence[Callable[[], None]]) -> None:
+        """Functions called after every reset, e.g. to rescale the learning rate by size."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Run the reset callbacks (the ring has just re-formed)."""
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Keep the current state as the one ``restore()`` returns to, then check whether
+        workers wait to join (raising :class:`HostsUpdatedInterrupt` on every rank)."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise :class:`HostsUpdatedInterrupt` on every rank when workers wait to join.
+
+        Rank 0 asks the launcher and broadcasts the answer, so all ranks decide alike.
+        Outside an elastic job this does nothing.
+        """
+        api = _api()
+        if not is_elastic() or not api.is_initialized() or api.size() < 1:
+            return
+        updated = membership().hosts_updated() if api.rank() == 0 else False
+        if api.size() > 1:
+            updated = api.broadcast_object(updated, 0, name="elastic.check_host_updates")
+        if updated:
+            raise HostsUpdatedInterrupt(skip_sync=False)
+
+    def save(self) -> None:
+        """Copy the current state (called by ``commit``)."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Go back to the last saved state."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make every rank take rank 0's state."""
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """Plain attributes (keyword arguments, e.g. ``epoch=0, batch=0``) that survive resets.
+
+    Args:
+        bcast_object: Function broadcasting a picklable object from rank 0 (default: the
+            numpy collectives' ``broadcast_object``).
+        get_rank: Function returning this rank (default: the collectives' ``rank``).
+        **kwargs: The attributes and their initial values.
+    """
+
+    def __init__(self, bcast_object: Callable | None = None, get_rank: Callable | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__()
+        self._bcast_object = bcast_object
+        self._get_rank = get_rank
+        self._saved_attrs = copy.deepcopy(kwargs)
+        self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for name, value in self._saved_attrs.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def save(self) -> None:
+        self._saved_attrs = {k: copy.deepcopy(getattr(self, k)) for k in self._saved_attrs}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if not self._saved_attrs:
+            return
+        bcast = self._bcast_object or (lambda obj, root: _api().broadcast_object(
+            obj, root, name="elastic.object_state"))
+        current = {k: getattr(self, k) for k in self._saved_attrs}
+        self._saved_attrs = bcast(current, 0)
+        self._set_attrs()
+
+
+def reset() -> None:
+    """Leave the current ring and join the next generation (shutdown, then init).
+
+    A generation whose ring cannot connect (a member died while it formed) is left for
+    the next one; the launcher's deadlines end the job when none can form.
+    """
+    api = _api()
+    while True:
+        api.shutdown()
+        try:
+            api.init()
+            return
+        except (RendezvousTimeoutError, HorovodInternalError, AuthenticationError) as exc:
+            log.warning("the ring of generation %d did not form (%s); joining the next one",
+                        membership().generation, exc)
+
+
+def run(func: F) -> F:
+    """Decorate a training function ``func(state, *args, **kwargs)`` to survive lost ranks.
+
+    The wrapper syncs ``state`` from rank 0, runs ``func``, and on
+    :class:`HorovodInternalError` restores the last commit, re-forms the ring among the
+    survivors and runs ``func`` again; on :class:`HostsUpdatedInterrupt` it re-forms the
+    ring with the new workers. Outside an elastic job the errors propagate unchanged,
+    since a fixed-size job cannot replace a lost rank.
+    """
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as exc:
+                if not is_elastic():
+                    raise
+                log.warning("a rank was lost (%s); restoring the last commit and re-forming "
+                            "the ring", exc)
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as exc:
+                if not is_elastic():
+                    raise
+                log.info("workers are joining; re-forming the ring")
+                skip_sync = exc.skip_sync
+            reset()
+            state.on_reset()
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,371 @@
+"""Elastic membership, launcher side: which live workers form each generation of the ring.
+
+Workers have stable ids (a slot, a Spark partition). Each ``init()`` of an elastic worker
+asks to *join* the next generation; the driver forms a generation once every live
+worker is waiting (or the stragglers are declared lost), assigns ranks host by host with
+the previous generation's ranks first (so rank 0, whose state the others sync from,
+survives whenever it can), and answers every join at once. Workers beat a heartbeat;
+one that falls silent, exits or is reported lost breaks its generation, and the driver
+tells the survivors through their next heartbeat, so that their collectives fail within
+seconds. All waits have deadlines; a job that cannot continue (fewer than ``min_np``
+workers, ``reset_limit`` reached) ends with an error naming what was lost and why.
+
+This module knows no launcher: the local launcher and ``run_elastic`` on Spark feed it
+events and serve its handlers from their authenticated stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from hvd_spark.errors import ConfigError, ElasticJobError
+from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks
+
+log = logging.getLogger(__name__)
+
+JOIN = "elastic.join"
+VERSION = "elastic.version"
+BEAT = "beat"
+_CHECK_PERIOD_S = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """What a joining worker learns: its place in a generation.
+
+    Attributes:
+        generation: Number of the generation (1, 2, ...); also the mesh epoch.
+        info: Rank, size, local and cross ranks in that generation.
+        version: The hosts version when the generation formed; a higher version
+            later means workers are waiting to join (``check_host_updates``).
+    """
+
+    generation: int
+    info: RankInfo
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticSettings:
+    """Sizes and deadlines of an elastic job.
+
+    Attributes:
+        num_proc: Workers the first generation waits for.
+        min_np: Fewest workers the job may continue with.
+        max_np: Most workers a generation may hold.
+        start_timeout: Seconds the first generation waits for ``num_proc`` workers (then
+            it starts with at least ``min_np``).
+        elastic_timeout: Seconds a broken generation waits for its survivors to rejoin,
+            or for new workers when fewer than ``min_np`` are left.
+        reset_limit: Most re-formations after the first generation (None: no limit).
+        heartbeat_s: Seconds of silence after which a worker is declared lost (0: off).
+    """
+
+    num_proc: int
+    min_np: int
+    max_np: int
+    start_timeout: float = 600.0
+    elastic_timeout: float = 600.0
+    reset_limit: int | None = None
+    heartbeat_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_proc", "min_np", "max_np"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not self.min_np <= self.num_proc <= self.max_np:
+            raise ConfigError(
+                f"need min_np <= num_proc <= max_np, got min_np={self.min_np}, "
+                f"num_proc={self.num_proc}, max_np={self.max_np}")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise ConfigError(f"reset_limit must be >= 0 or None, got {self.reset_limit}")
+        for name in ("start_timeout", "elastic_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
+        if self.heartbeat_s < 0:
+            raise ConfigError(f"heartbeat_s must be >= 0 (0: off), got {self.heartbeat_s}")
+
+
+class ElasticDriver:
+    """Forms generations of live workers; serves ``join``, ``version`` and ``beat``.
+
+    Args:
+        settings: Sizes and deadlines.
+        on_lost: Called (outside the lock) with ``(worker, reason)`` when a worker is
+            declared lost, so the launcher can stop what is left of it.
+        on_event: Called with one line for each membership change worth telling the user.
+    """
+
+    def __init__(
+        self,
+        settings: ElasticSettings,
+        on_lost: Callable[[str, str], None] | None = None,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._on_lost = on_lost or (lambda worker, reason: None)
+        self._on_event = on_event or log.info
+        self._cond = threading.Condition()
+        self.generation = 0
+        self.members: dict[str, RankInfo] = {}
+        self._alive: dict[str, str] = {}  # worker -> host
+        self._arrival: dict[str, int] = {}
+        self._waiting: set[str] = set()
+        self.lost: dict[str, str] = {}  # worker -> why, in the order they were lost
+        self._broken: str | None = None
+        self._broken_at = 0.0
+        self.version = 0
+        self._formed_version = 0
+        self.fatal: str | None = None
+        self.resets = 0
+        self.finished = False
+        self._last_beat: dict[str, float] = {}
+        self._started = time.monotonic()
+        self._closed = threading.Event()
+        self._checker = threading.Thread(target=self._check_loop, name="hvd-elastic", daemon=True)
+        self._checker.start()
+
+    # ------------------------------------------------------------------ handlers
+
+    def handlers(self) -> dict[str, Callable]:
+        """The store request kinds this driver serves."""
+        return {JOIN: self.join, VERSION: self.current_version, BEAT: self.beat}
+
+    def join(self, worker: str, host: str, last_generation: int) -> dict:
+        """Block until ``worker`` has a place in a generation newer than ``last_generation``.
+
+        Returns:
+            The worker's :class:`Assignment` as a plain dict (workers do not import the
+            runner): ``generation``, ``version`` and the RankInfo fields.
+
+        Raises:
+            ElasticJobError: The job cannot go on, or this worker was declared lost.
+        """
+        lost_events: list[tuple[str, str]] = []
+        with self._cond:
+            if worker in self.lost:
+                raise ElasticJobError(
+                    f"worker {worker} was declared lost ({self.lost[worker]}) and may not rejoin")
+            if self.finished:
+                raise ElasticJobError("the elastic job has finished; no generation will form")
+            self._register(worker, host)
+            if worker in self.members and last_generation == self.generation:
+                rank = self.members[worker].rank
+                self._break(f"rank {rank} on {host} left generation {self.generation} to re-form")
+            self._waiting.add(worker)
+            if (worker not in self.members and self.generation > 0 and self._broken is None
+                    and len(self.members) < self.settings.max_np):
+                self.version += 1  # new capacity: members notice at their next commit
+                self._on_event(f"worker {worker} on {host} is waiting to join; the ranks add it "
+                               "at their next commit")
+            lost_events += self._try_form()
+            deadline = time.monotonic() + self._join_budget()
+            while not (self.generation > last_generation and worker in self.members
+                       and worker not in self._waiting):
+                if self.fatal:
+                    raise ElasticJobError(self.fatal)
+                if worker in self.lost:
+                    raise ElasticJobError(f"worker {worker} was declared lost: {self.lost[worker]}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ElasticJobError(
+                        f"worker {worker} found no place in a generation within "
+                        f"{self._join_budget():.0f} s (waiting: {sorted(self._waiting)}, "
+                        f"members: {sorted(self.members)})")
+                self._cond.wait(min(left, _CHECK_PERIOD_S))
+                lost_events += self._try_form()
+            assignment = Assignment(self.generation, self.members[worker], self._formed_version)
+        self._notify_lost(lost_events)
+        return {"generation": assignment.generation, "version": assignment.version,
+                **dataclasses.asdict(assignment.info)}
+
+    def current_version(self) -> int:
+        """The hosts version: higher than a generation's when workers wait to join it."""
+        with self._cond:
+            return self.version
+
+    def beat(self, worker: str, generation: int) -> str | None:
+        """Record a heartbeat; return why ``generation`` is broken (the worker aborts), or None."""
+        with self._cond:
+            self._last_beat[worker] = time.monotonic()
+            if self.fatal:
+                return self.fatal
+            if generation and generation == self.generation and self._broken:
+                return self._broken
+            if worker in self.lost:
+                return f"this worker was declared lost: {self.lost[worker]}"
+            return None
+
+    # ------------------------------------------------------------------ launcher events
+
+    def worker_started(self, worker: str, host: str) -> None:
+        """A launcher started ``worker`` on ``host`` (it will join soon)."""
+        with self._cond:
+            self._register(worker, host)
+
+    def worker_exited(self, worker: str, returncode: int) -> None:
+        """``worker``'s process ended; code 0 by a member means training finished."""
+        if returncode == 0:
+            with self._cond:
+                if worker in self.members and self._broken is None:
+                    self.finished = True
+                self._alive.pop(worker, None)
+                self._waiting.discard(worker)
+                self._cond.notify_all()
+            return
+        self.worker_lost(worker, f"exited with code {returncode}")
+
+    def worker_lost(self, worker: str, reason: str) -> None:
+        """Declare ``worker`` lost: its generation breaks and forms again without it."""
+        with self._cond:
+            events = self._lose(worker, reason)
+            events += self._try_form()
+        self._notify_lost(events)
+
+    def close(self) -> None:
+        """Stop the heartbeat checker and wake every waiting join."""
+        self._closed.set()
+        with self._cond:
+            if self.fatal is None and not self.finished:
+                self.fatal = "the elastic job was stopped by its launcher"
+            self._cond.notify_all()
+        self._checker.join(2.0)
+
+    def fail(self, reason: str) -> None:
+        """End the job: every join and heartbeat gets ``reason``."""
+        with self._cond:
+            if self.fatal is None:
+                self.fatal = reason
+                self._on_event(f"elastic job failed: {reason}")
+            self._cond.notify_all()
+
+    @property
+    def alive(self) -> dict[str, str]:
+        """Live workers and their hosts."""
+        with self._cond:
+            return dict(self._alive)
+
+    # ------------------------------------------------------------------ internals
+
+    def _register(self, worker: str, host: str) -> None:
+        if worker not in self._alive and worker not in self.lost:
+            self._alive[worker] = host
+            self._arrival.setdefault(worker, len(self._arrival))
+            self._cond.notify_all()
+
+    def _join_budget(self) -> float:
+        s = self.settings
+        return (s.start_timeout if self.generation == 0 else 0.0) + 2 * s.elastic_timeout + 10.0
+
+    def _break(self, reason: str) -> None:
+        if self._broken is None:
+            self._broken = reason
+            self._broken_at = time.monotonic()
+            self._cond.notify_all()
+
+    def _lose(self, worker: str, reason: str) -> list[tuple[str, str]]:
+        if worker not in self._alive:
+            return []
+        host = self._alive.pop(worker)
+        self.lost[worker] = f"on {host} {reason}"
+        self._waiting.discard(worker)
+        self._last_beat.pop(worker, None)
+        if worker in self.members and not self.finished:
+            rank = self.members[worker].rank
+            self._break(f"rank {rank} (worker {worker} on {host}) {reason}")
+            self._on_event(f"rank {rank} (worker {worker} on {host}) lost: {reason}")
+        self._cond.notify_all()
+        return [(worker, reason)]
+
+    def _try_form(self) -> list[tuple[str, str]]:
+        """Form the next generation when its members are known; called under the lock."""
+        s = self.settings
+        events: list[tuple[str, str]] = []
+        if self.fatal or self.finished:
+            return events
+        now = time.monotonic()
+        ready = [w for w in self._alive if w in self._waiting]
+        if self.generation == 0:
+            waited = now - self._started
+            if len(ready) < min(s.num_proc, s.max_np) and waited < s.start_timeout:
+                return events
+            if len(ready) < s.min_np:
+                self.fail(f"only {len(ready)} of the {s.num_proc} workers joined within the "
+                          f"start timeout of {s.start_timeout:.0f} s (min_np={s.min_np})")
+                return events
+        else:
+            if self._broken is None:
+                return events
+            stragglers = [w for w in self.members if w in self._alive and w not in self._waiting]
+            if stragglers:
+                if now - self._broken_at < s.elastic_timeout:
+                    return events
+                for worker in stragglers:
+                    events += self._lose(worker, (
+                        f"did not rejoin within the elastic timeout of {s.elastic_timeout:.0f} s"))
+                ready = [w for w in self._alive if w in self._waiting]
+            if len(ready) < s.min_np:
+                if now - self._broken_at < s.elastic_timeout:
+                    return events  # replacements may still come
+                lost = "; ".join(f"worker {w} {why}" for w, why in self.lost.items())
+                self.fail(f"only {len(ready)} workers are left, fewer than min_np={s.min_np}, "
+                          f"after waiting {s.elastic_timeout:.0f} s; lost: {lost or 'none'}")
+                return events
+            if s.reset_limit is not None and self.resets >= s.reset_limit:
+                self.fail(f"the ring was re-formed {self.resets} times, reaching reset_limit="
+                          f"{s.reset_limit}; last cause: {self._broken}")
+                return events
+            self.resets += 1
+        self._form(ready)
+        return events
+
+    def _form(self, ready: list[str]) -> None:
+        previous = self.members
+        # Survivors first, in their old rank order (rank 0's state is what others sync
+        # from), then newcomers in arrival order.
+        order = sorted(ready, key=lambda w: (
+            0 if w in previous else 1,
+            previous[w].rank if w in previous else self._arrival.get(w, 0)))
+        chosen = order[: self.settings.max_np]
+        infos = assign_ranks([TaskSlot(i, self._alive[w]) for i, w in enumerate(chosen)])
+        self.members = {w: infos[i] for i, w in enumerate(chosen)}
+        self.generation += 1
+        self._waiting -= set(chosen)
+        cause, self._broken = self._broken, None
+        self._formed_version = self.version
+        now = time.monotonic()
+        for worker in chosen:
+            self._last_beat[worker] = now  # the clock restarts with the new ring
+        hosts = sorted({info.host for info in self.members.values()})
+        line = (f"generation {self.generation}: {len(chosen)} ranks on {len(hosts)} host(s)")
+        if cause:
+            line += f" after: {cause}"
+        self._on_event(line)
+        self._cond.notify_all()
+
+    def _check_loop(self) -> None:
+        while not self._closed.wait(_CHECK_PERIOD_S):
+            events: list[tuple[str, str]] = []
+            with self._cond:
+                limit = self.settings.heartbeat_s
+                if limit > 0:
+                    now = time.monotonic()
+                    for worker, last in list(self._last_beat.items()):
+                        if worker in self._alive and now - last > limit:
+                            events += self._lose(worker, (
+                                f"sent no heartbeat for {now - last:.0f} s (its process is frozen "
+                                "or its host is unreachable)"))
+                events += self._try_form()
+            self._notify_lost(events)
+
+    def _notify_lost(self, events: list[tuple[str, str]]) -> None:
+        for worker, reason in events:
+            try:
+                self._on_lost(worker, reason)
+            except Exception:  # noqa: BLE001 - a launcher callback must not stop the driver
+                log.exception("on_lost callback failed for worker %s", worker)

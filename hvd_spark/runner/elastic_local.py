@@ -1,0 +1,250 @@
+"""Elastic training on local processes: ``hvdrun --min-np/--max-np`` and ``run_elastic_local``.
+
+The launcher starts ``num_proc`` workers, each with a stable worker id (its output is
+prefixed with that id), and an :class:`ElasticDriver` that forms the ring's generations.
+A worker that dies or falls silent is not fatal while ``min_np`` remain: the survivors
+re-form the ring. After ``cooldown`` seconds a replacement starts in the freed slot (up
+to ``max_np`` live workers) and joins the ring at the ranks' next ``commit()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import cloudpickle
+
+from hvd_spark import _env
+from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
+from hvd_spark.collectives.tcp.store import StoreServer
+from hvd_spark.errors import ElasticJobError, WorkerFailedError
+from hvd_spark.runner import worker
+from hvd_spark.runner.elastic_driver import ElasticDriver, ElasticSettings
+from hvd_spark.runner.failures import WorkerFailure
+from hvd_spark.runner.local_launcher import die_with_parent, pickle_job
+from hvd_spark.runner.output import OutputForwarder
+
+DEFAULT_COOLDOWN_S = 5.0
+_FINISH_GRACE_S = 60.0
+
+
+class ElasticLocalJob:
+    """One elastic launch of local worker processes.
+
+    Args:
+        settings: Sizes and deadlines of the job.
+        command: What each worker runs.
+        env: Extra environment variables for every worker.
+        cooldown: Seconds after a worker is lost before a replacement starts (``None``:
+            never replace).
+        stdout, stderr: Streams receiving the workers' prefixed output, and the
+            launcher's own lines about membership.
+    """
+
+    def __init__(
+        self,
+        settings: ElasticSettings,
+        command: Sequence[str],
+        env: dict[str, str] | None = None,
+        cooldown: float | None = DEFAULT_COOLDOWN_S,
+        stdout: IO[str] | None = None,
+        stderr: IO[str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.command = list(command)
+        self.cooldown = cooldown
+        self.secret = secrets.token_bytes(32)
+        self._stderr = stderr or sys.stderr
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self.driver = ElasticDriver(settings, on_lost=self._stop_worker, on_event=self._say)
+        self.store = StoreServer(self.secret, "127.0.0.1",
+                                 {**self.driver.handlers(), worker.REPORT: self._on_report})
+        self._env = dict(env or {})
+        self._output = OutputForwarder(stdout or sys.stdout, self._stderr)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.exit_codes: dict[str, int] = {}
+        self.results: dict[str, tuple[int, bytes]] = {}
+        self.failures: dict[str, WorkerFailure] = {}
+        self._replace_at: list[float] = []
+
+    # ------------------------------------------------------------------ workers
+
+    def _say(self, line: str) -> None:
+        self._stderr.write(f"hvdrun: {line}\n")
+        self._stderr.flush()
+
+    def _on_report(self, rank: int, status: str, payload: Any, worker_id: str = "?") -> None:
+        self._events.put(("report", worker_id, (rank, status, payload)))
+
+    def spawn(self) -> str:
+        """Start one more worker; return its id."""
+        worker_id = str(len(self.procs))
+        host = socket.gethostname()
+        env = {
+            **os.environ, **self._env,
+            _env.RENDEZVOUS_ADDR: f"127.0.0.1:{self.store.port}",
+            _env.SECRET: self.secret.hex(),
+            _env.ELASTIC: "1",
+            _env.WORKER_ID: worker_id,
+            _env.HOSTNAME: host,
+            _env.ELASTIC_TIMEOUT: str(self.settings.elastic_timeout),
+            _env.HEARTBEAT: str(self.settings.heartbeat_s),
+            "PYTHONUNBUFFERED": "1",
+        }
+        for var in (_env.RANK, _env.SIZE):  # an elastic worker learns its rank by joining
+            env.pop(var, None)
+        self.driver.worker_started(worker_id, host)
+        proc = subprocess.Popen(
+            self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )
+        self.procs[worker_id] = proc
+        self._output.follow(int(worker_id), proc.stdout, proc.stderr)
+        threading.Thread(target=self._watch, args=(worker_id, proc), daemon=True).start()
+        return worker_id
+
+    def _watch(self, worker_id: str, proc: subprocess.Popen) -> None:
+        self._events.put(("exit", worker_id, proc.wait()))
+
+    def _stop_worker(self, worker_id: str, reason: str) -> None:
+        """The driver declared ``worker_id`` lost: make sure it is gone (a frozen process
+        must not wake up later in a ring that moved on), and plan its replacement."""
+        proc = self.procs.get(worker_id)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self.cooldown is not None:
+            self._replace_at.append(time.monotonic() + self.cooldown)
+
+    # ------------------------------------------------------------------ supervision
+
+    def run(self) -> dict[str, tuple[int, bytes]]:
+        """Start the workers and supervise them until the job ends.
+
+        Returns:
+            Worker id -> (final rank, pickled result) for workers that reported one.
+
+        Raises:
+            ElasticJobError: The job could not continue; says what was lost and why.
+            WorkerFailedError: Training itself failed (a rank raised, not a lost worker).
+        """
+        for _ in range(self.settings.num_proc):
+            self.spawn()
+        finished_at: float | None = None
+        while True:
+            try:
+                kind, worker_id, value = self._events.get(timeout=0.25)
+            except queue.Empty:
+                kind = None
+            if kind == "exit":
+                self.exit_codes[worker_id] = value
+                failed = self.failures.get(worker_id)
+                if failed is not None and value != 0 and self._is_user_error(failed):
+                    raise WorkerFailedError([failed])
+                self.driver.worker_exited(worker_id, value)
+            elif kind == "report":
+                rank, status, payload = value
+                if status == "ok":
+                    self.results[worker_id] = (rank, payload)
+                else:
+                    self.failures[worker_id] = payload
+            if self.driver.fatal:
+                raise ElasticJobError(self.driver.fatal)
+            self._start_due_replacements()
+            if self.driver.finished:
+                finished_at = finished_at or time.monotonic()
+                running = [w for w in self.driver.members if self.procs[w].poll() is None]
+                if not running or time.monotonic() - finished_at > _FINISH_GRACE_S:
+                    return self.results
+
+    @staticmethod
+    def _is_user_error(failure: WorkerFailure) -> bool:
+        """A rank raised something other than a lost-peer error: a bug, not a lost worker."""
+        text = failure.message
+        lost_peer = ("HorovodInternalError", "PeerDisconnectedError", "ElasticJobError",
+                     "RendezvousTimeoutError")
+        return not any(name in text for name in lost_peer)
+
+    def _start_due_replacements(self) -> None:
+        now = time.monotonic()
+        due = [t for t in self._replace_at if t <= now]
+        if not due or self.driver.finished or self.driver.fatal:
+            return
+        self._replace_at = [t for t in self._replace_at if t > now]
+        for _ in due:
+            if len(self.driver.alive) < self.settings.max_np:
+                worker_id = self.spawn()
+                self._say(f"started worker {worker_id} to replace a lost one")
+
+    def close(self) -> None:
+        """Stop every worker, the driver and the store; remove shared-memory leftovers."""
+        self.driver.close()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs.values():
+            with contextlib.suppress(Exception):
+                proc.wait(5)
+        self._output.close()
+        remove_segments(job_tag(self.secret))
+        self.store.close()
+
+    def __enter__(self) -> ElasticLocalJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_elastic_local(
+    fn: Callable,
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    num_proc: int | None = None,
+    min_np: int | None = None,
+    max_np: int | None = None,
+    start_timeout: float | None = None,
+    elastic_timeout: float | None = None,
+    reset_limit: int | None = None,
+    cooldown: float | None = DEFAULT_COOLDOWN_S,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> list:
+    """Run ``fn`` elastically on local processes; results of the final ranks in rank order.
+
+    ``fn`` should use ``hvd.elastic.run`` and a ``State`` to survive lost workers.
+    """
+    num_proc = num_proc if num_proc is not None else (os.cpu_count() or 1)
+    settings = ElasticSettings(
+        num_proc=num_proc, min_np=min_np or num_proc, max_np=max_np or num_proc,
+        start_timeout=start_timeout or 600.0, elastic_timeout=elastic_timeout or 600.0,
+        reset_limit=reset_limit,
+        heartbeat_s=_env.get_float(_env.HEARTBEAT, 10.0),
+    )
+    payload = pickle_job(fn, args, kwargs)
+    command = [sys.executable, "-m", "hvd_spark.runner.worker"]
+    with ElasticLocalJob(settings, command, env, cooldown, stdout, stderr) as job:
+        job.store.set(worker.FN_KEY, payload)
+        results = job.run()
+    return results_in_rank_order(results, job.driver.members)
+
+
+def results_in_rank_order(results: dict[str, tuple[int, bytes]], members: dict) -> list:
+    """The final generation's results by rank (workers outside it are left out)."""
+    final = {w: results[w] for w in members if w in results}
+    missing = sorted(set(members) - set(final))
+    if missing:
+        raise ElasticJobError(f"workers {missing} of the final ring ended without a result")
+    return [cloudpickle.loads(payload) for _, payload in sorted(final.values())]
