@@ -1,8 +1,10 @@
 """The Spark side of ``hvd_spark.run``: checks, the barrier job, and its supervision.
 
-The barrier job runs in a background thread under its own job group, so the
-driver can cancel it the moment a rank fails; meanwhile the calling thread
-consumes the events of the run's ``DriverService`` and decides when it is over.
+The barrier job runs in a background thread under its own job group (a job tag on
+Spark Connect), so the driver can cancel it the moment a rank fails; meanwhile the
+calling thread consumes the events of the run's ``DriverService`` and decides when it
+is over. A classic session's SparkContext and a Connect session's ``ConnectContext``
+answer the same questions (master, parallelism, configuration).
 pyspark is imported inside functions so ``import hvd_spark.runner`` never needs it.
 """
 
@@ -24,6 +26,7 @@ from hvd_spark.errors import (
     WorkerFailedError,
 )
 from hvd_spark.runner import spark_task
+from hvd_spark.runner.connect import ConnectContext, is_connect
 from hvd_spark.runner.driver_service import DriverService
 from hvd_spark.runner.failures import WorkerFailure
 
@@ -36,7 +39,8 @@ _POLL_S = 0.2
 
 
 def active_session() -> Any:
-    """Return the active SparkSession, or raise a ConfigError saying how to get one."""
+    """Return the active SparkSession (classic or Spark Connect), or raise a ConfigError
+    saying how to get one."""
     try:
         from pyspark import SparkContext
         from pyspark.sql import SparkSession
@@ -53,13 +57,12 @@ def active_session() -> Any:
         raise ConfigError(
             "hvd_spark.run needs an active SparkSession: create one first with "
             "SparkSession.builder.getOrCreate() (or use hvd_spark.run_local without Spark)")
-    try:
-        session.sparkContext  # noqa: B018 - Spark Connect sessions have none
-    except Exception as exc:  # noqa: BLE001 - any failure means no classic context
-        raise ConfigError(
-            "hvd_spark.run needs a classic SparkSession with a SparkContext; "
-            "Spark Connect sessions are not supported yet") from exc
     return session
+
+
+def cluster_context(session: Any) -> Any:
+    """The SparkContext of a classic session, a ``ConnectContext`` for Spark Connect."""
+    return ConnectContext(session) if is_connect(session) else session.sparkContext
 
 
 def _conf(sc: Any, key: str, default: str) -> str:
@@ -119,6 +122,8 @@ def check_cluster(sc: Any, num_proc: int) -> None:
 
 def driver_hosts(sc: Any) -> tuple[str, str]:
     """(interface to bind, address tasks dial) for the driver's service."""
+    if isinstance(sc, ConnectContext):
+        return sc.driver_hosts()  # the service runs in this client, not in Spark's driver
     if _is_local(sc):
         return "127.0.0.1", "127.0.0.1"  # executors run on this machine
     host = _conf(sc, "spark.driver.host", "")
@@ -154,17 +159,25 @@ class SparkLaunch:
         self.start_timeout = start_timeout
         self.num_proc = service.num_proc
         self.job_group = f"hvd_spark-{spec.run_id}"
+        self.remote = is_connect(spark)
         self._thread: threading.Thread | None = None
 
     def _collect(self) -> None:
-        sc = self.spark.sparkContext
-        sc.setJobGroup(self.job_group, f"hvd_spark.run of {self.num_proc} ranks",
-                       interruptOnCancel=True)
+        # Connect has no job groups: a tag (thread-local on the client) marks the job.
+        if self.remote:
+            self.spark.addTag(self.job_group)
+        else:
+            self.spark.sparkContext.setJobGroup(
+                self.job_group, f"hvd_spark.run of {self.num_proc} ranks",
+                interruptOnCancel=True)
         error: BaseException | None = None
         try:
             self._job().collect()
         except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
             error = exc
+        finally:
+            if self.remote:
+                self.spark.removeTag(self.job_group)
         self.service.events.put(("spark_done", -1, error))
 
     def _job(self) -> Any:
@@ -181,7 +194,8 @@ class SparkLaunch:
         """Submit the barrier job in a background thread with its own job group."""
         from pyspark import InheritableThread
 
-        self._thread = InheritableThread(target=self._collect, name="hvd-spark-job", daemon=True)
+        self._thread = InheritableThread(target=self._collect, name="hvd-spark-job",
+                                         daemon=True, session=self.spark)
         self._thread.start()
 
     def wait(self) -> list[bytes]:
@@ -260,7 +274,10 @@ class SparkLaunch:
             return
         if not out.spark_done and (out.failures or len(out.results) < self.num_proc):
             log.info("cancelling Spark job group %s", self.job_group)
-            self.spark.sparkContext.cancelJobGroup(self.job_group)
+            if self.remote:
+                self.spark.interruptTag(self.job_group)
+            else:
+                self.spark.sparkContext.cancelJobGroup(self.job_group)
         thread.join(_JOIN_TIMEOUT_S)
         if thread.is_alive():
             log.warning("the Spark job of group %s did not end within %s s after the run",

@@ -1,0 +1,484 @@
+"""Several "hosts" on one machine: network namespaces on a bridge, for tests and benchmarks.
+
+Each host is a network namespace with its own address in a private /24, its own
+hostname (a UTS namespace) and its own /dev/shm (so ranks on different hosts cannot
+fall back to shared memory), joined to the other hosts and to the machine's root
+namespace through a Linux bridge. Each link can be shaped with ``tc netem`` (rate and
+delay, both directions) and taken down and up again. ``SparkStandalone`` starts a real
+Spark standalone master (on the bridge) and one worker per host from the pip pyspark.
+
+Needs root, ``ip`` (iproute2), ``tc``, ``unshare`` and ``mount``; ``problem()`` says why
+it cannot run here. Everything is removed by ``close()``; namespaces that a killed
+process left behind are removed by the next ``NetnsHosts.start()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from hvd_spark.errors import ConfigError, HvdSparkError
+
+NS_PREFIX = "hvdmh"
+_SUBNET_BASE = "10.213.{}.0/24"
+_CMD_TIMEOUT_S = 30.0
+_NETNS_ETC = "/etc/netns"
+
+
+class HarnessError(HvdSparkError):
+    """The multi-host harness could not build or start its hosts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkShape:
+    """How every host's link is shaped with ``tc``, in each direction.
+
+    Attributes:
+        bandwidth: A tc rate such as ``1gbit`` or ``10gbit`` (None: unshaped).
+        delay: One-way delay such as ``100us`` or ``1ms`` (None: none added).
+
+    Raises:
+        ConfigError: A rate or delay tc would not understand (checked before any set-up).
+    """
+
+    bandwidth: str | None = None
+    delay: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.bandwidth:
+            rate_bits(self.bandwidth)
+        if self.delay and not re.fullmatch(r"\d+(\.\d+)?(us|ms|s)", self.delay.strip()):
+            raise ConfigError(f"delay {self.delay!r} is not a time such as 100us or 1ms")
+
+    def qdisc_args(self) -> list[str]:
+        """``tc qdisc add ... root`` arguments after ``root`` (empty when unshaped).
+
+        A delay needs ``netem`` (which also applies the rate); a rate alone uses ``tbf``,
+        which every kernel with traffic control has (some, e.g. minimal VM kernels, lack
+        ``sch_netem``).
+        """
+        if self.delay:
+            rate = ["rate", self.bandwidth] if self.bandwidth else []
+            # The default queue (1000 packets) drops under a fast sender with a delay.
+            return ["netem", "delay", self.delay, *rate, "limit", "100000"]
+        if self.bandwidth:
+            # Burst: 1 ms at the rate, at least two 64 KB GSO packets; queue: 50 ms.
+            burst = max(rate_bits(self.bandwidth) // 8 // 1000, 2 * 65536)
+            return ["tbf", "rate", self.bandwidth, "burst", str(burst), "latency", "50ms"]
+        return []
+
+    def describe(self) -> str:
+        """E.g. ``1gbit, 100us`` or ``unshaped``."""
+        return ", ".join(x for x in (self.bandwidth, self.delay) if x) or "unshaped"
+
+
+_RATE_UNITS = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+
+
+def rate_bits(text: str) -> int:
+    """A tc rate (``1gbit``, ``100mbit``, ``10Gbit``) in bits per second.
+
+    Raises:
+        ConfigError: The text is not a number followed by gbit, mbit, kbit or bit.
+    """
+    low = text.strip().lower()
+    for unit, scale in _RATE_UNITS.items():
+        if low.endswith(unit):
+            try:
+                return int(float(low[: -len(unit)]) * scale)
+            except ValueError:
+                break
+    raise ConfigError(f"bandwidth {text!r} is not a rate such as 1gbit, 500mbit or 10gbit")
+
+
+def problem() -> str | None:
+    """Why namespaces cannot be made here (None when they can)."""
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs as root)"
+    for tool in ("ip", "tc", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            return f"{tool!r} is not installed (apt-get install iproute2 util-linux mount)"
+    return None
+
+
+def _sh(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run a short administrative command with a deadline; raise HarnessError on failure."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise HarnessError(f"{' '.join(argv)} did not finish in {_CMD_TIMEOUT_S} s") from None
+    if check and done.returncode != 0:
+        raise HarnessError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+    return done
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Delete this harness's namespaces and bridges whose creating process is gone."""
+    removed = []
+    listing = _sh(["ip", "netns", "list"], check=False).stdout.split()
+    for name in listing:
+        if not name.startswith(NS_PREFIX) or "-" not in name:
+            continue
+        owner = name[len(NS_PREFIX):].split("-")[0]
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            _sh(["ip", "netns", "del", name], check=False)
+            shutil.rmtree(os.path.join(_NETNS_ETC, name), ignore_errors=True)
+            removed.append(name)
+            _sh(["ip", "link", "del", f"hvb{owner}"], check=False)
+    return removed
+
+
+def _used_subnets() -> set[str]:
+    out = _sh(["ip", "-o", "-4", "addr", "show"], check=False).stdout
+    nets = set()
+    for line in out.splitlines():
+        parts = line.split()
+        if "inet" in parts:
+            cidr = parts[parts.index("inet") + 1]
+            nets.add(str(ipaddress.ip_interface(cidr).network))
+    return nets
+
+
+class NetnsHosts:
+    """``count`` namespaces on one bridge; host ``i`` is ``hostnames[i]`` at ``addrs[i]``.
+
+    Args:
+        count: Number of hosts (1..200).
+        shape: Rate and delay of every host's link (None: unshaped veth).
+        extra_iface: Also give every host a second, unconnected interface with this
+            name and its own address (to test interface selection).
+    """
+
+    def __init__(self, count: int, shape: LinkShape | None = None,
+                 extra_iface: str | None = None) -> None:
+        if not 1 <= count <= 200:
+            raise ConfigError(f"hosts must be between 1 and 200, got {count}")
+        self.count = count
+        self.shape = shape or LinkShape()
+        self.extra_iface = extra_iface
+        self.tag = str(os.getpid())
+        self.bridge = f"hvb{self.tag}"
+        self.namespaces = [f"{NS_PREFIX}{self.tag}-{i}" for i in range(count)]
+        self.hostnames = [f"hvdhost{i + 1}" for i in range(count)]
+        self.veths = [f"hvv{self.tag}x{i}" for i in range(count)]
+        self.bridge_addr = ""
+        self.addrs: list[str] = []
+        self.extra_addrs: list[str] = []
+        self._started = False
+
+    # ------------------------------------------------------------------ set-up
+    def start(self) -> NetnsHosts:
+        """Create the bridge, the namespaces and their links (idempotent on failure: close())."""
+        why = problem()
+        if why:
+            raise HarnessError(why)
+        remove_stale()
+        if os.path.exists(f"/sys/class/net/{self.bridge}"):
+            raise HarnessError(f"bridge {self.bridge} exists: this process already has hosts")
+        self._started = True
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _pick_subnet(self) -> ipaddress.IPv4Network:
+        used = _used_subnets()
+        first = int(self.tag) % 200
+        for k in range(200):
+            net = _SUBNET_BASE.format((first + k) % 200 + 20)
+            if net not in used:
+                return ipaddress.ip_network(net)
+        raise HarnessError("no free 10.213.x.0/24 subnet for the hosts")
+
+    def _build(self) -> None:
+        net = self._pick_subnet()
+        hosts = list(net.hosts())
+        self.bridge_addr = str(hosts[0])
+        self.addrs = [str(hosts[10 + i]) for i in range(self.count)]
+        _sh(["ip", "link", "add", self.bridge, "type", "bridge"])
+        _sh(["ip", "addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge])
+        _sh(["ip", "link", "set", self.bridge, "up"])
+        etc_hosts = "127.0.0.1 localhost\n" + "".join(
+            f"{a} {h}\n" for a, h in zip(self.addrs, self.hostnames))
+        for i, ns in enumerate(self.namespaces):
+            self._build_host(i, ns, etc_hosts, net.prefixlen)
+
+    def _build_host(self, i: int, ns: str, etc_hosts: str, prefixlen: int) -> None:
+        # ip netns exec bind-mounts /etc/netns/NS/* over /etc: names resolve without DNS.
+        etc = os.path.join(_NETNS_ETC, ns)
+        os.makedirs(etc, exist_ok=True)
+        with open(os.path.join(etc, "hosts"), "w") as f:
+            f.write(etc_hosts)
+        with open(os.path.join(etc, "resolv.conf"), "w") as f:
+            f.write("# no DNS inside the test hosts\n")
+        with open(os.path.join(etc, "hostname"), "w") as f:
+            f.write(self.hostnames[i] + "\n")
+        _sh(["ip", "netns", "add", ns])
+        outer, inner = self.veths[i], f"hvi{self.tag}x{i}"
+        _sh(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner])
+        _sh(["ip", "link", "set", inner, "netns", ns])
+        _sh(["ip", "-n", ns, "link", "set", inner, "name", "eth0"])
+        _sh(["ip", "-n", ns, "addr", "add", f"{self.addrs[i]}/{prefixlen}", "dev", "eth0"])
+        _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        _sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        _sh(["ip", "link", "set", outer, "master", self.bridge])
+        _sh(["ip", "link", "set", outer, "up"])
+        _sh(["ip", "-n", ns, "route", "add", "default", "via", self.bridge_addr])
+        qdisc = self.shape.qdisc_args()
+        if qdisc:  # both directions: host -> bridge and bridge -> host
+            self._shape(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0",
+                         "root", *qdisc])
+            self._shape(["tc", "qdisc", "add", "dev", outer, "root", *qdisc])
+        if self.extra_iface:
+            # A dummy interface: it has an address, but nothing on it reaches another host.
+            addr = f"172.31.{i + 1}.1"
+            _sh(["ip", "-n", ns, "link", "add", self.extra_iface, "type", "dummy"])
+            _sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", self.extra_iface])
+            _sh(["ip", "-n", ns, "link", "set", self.extra_iface, "up"])
+            self.extra_addrs.append(addr)
+
+    def _shape(self, argv: list[str]) -> None:
+        done = _sh(argv, check=False)
+        if done.returncode == 0:
+            return
+        if "netem" in argv and "unknown" in done.stderr:
+            raise HarnessError(
+                f"cannot add a delay of {self.shape.delay}: this kernel has no netem qdisc "
+                "(sch_netem); shape the bandwidth alone (no delay) or use a kernel with netem")
+        raise HarnessError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+
+    # ------------------------------------------------------------------ use
+    def argv(self, i: int, command: Sequence[str]) -> list[str]:
+        """``command`` wrapped to run on host ``i``: its namespace, hostname and /dev/shm."""
+        setup = (f"hostname {self.hostnames[i]} && "
+                 "mount -t tmpfs -o size=2g,mode=1777 hvdshm /dev/shm && exec \"$@\"")
+        return ["ip", "netns", "exec", self.namespaces[i], "unshare", "--uts", "--mount",
+                "sh", "-c", setup, "sh", *command]
+
+    def popen(self, i: int, command: Sequence[str], env: dict[str, str] | None = None,
+              log_path: str | None = None, **kwargs: Any) -> subprocess.Popen:
+        """Start ``command`` on host ``i`` in its own process group (see ``stop``)."""
+        out: Any = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            return subprocess.Popen(
+                self.argv(i, command), env=env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL,
+                start_new_session=True, **kwargs)
+        finally:
+            if log_path:
+                out.close()
+
+    def run(self, i: int, command: Sequence[str], timeout: float = _CMD_TIMEOUT_S
+            ) -> subprocess.CompletedProcess:
+        """Run ``command`` on host ``i`` to completion (with a deadline)."""
+        return subprocess.run(self.argv(i, command), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Take host ``i``'s link down (it is cut off from every other host) or up."""
+        _sh(["ip", "link", "set", self.veths[i], "up" if up else "down"])
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Remove the namespaces (their links go with them), the bridge and /etc/netns files."""
+        if not self._started:
+            return
+        self._started = False
+        for ns in self.namespaces:
+            _sh(["ip", "netns", "del", ns], check=False)
+            shutil.rmtree(os.path.join(_NETNS_ETC, ns), ignore_errors=True)
+        for veth in self.veths:  # normally gone with their namespace's peer
+            if os.path.exists(f"/sys/class/net/{veth}"):
+                _sh(["ip", "link", "del", veth], check=False)
+        _sh(["ip", "link", "del", self.bridge], check=False)
+
+    def __enter__(self) -> NetnsHosts:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def stop(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM ``proc``'s process group, then SIGKILL it after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def free_port(addr: str) -> int:
+    """A TCP port free on ``addr`` right now."""
+    with socket.socket() as sock:
+        sock.bind((addr, 0))
+        return sock.getsockname()[1]
+
+
+class SparkStandalone:
+    """A Spark standalone master on the bridge and one worker on every host.
+
+    Args:
+        hosts: Started hosts.
+        cores: Task slots (worker cores) per host.
+        worker_memory: Memory each worker offers its executor.
+        workdir: Where logs and the workers' directories go (a temporary one if None).
+    """
+
+    def __init__(self, hosts: NetnsHosts, cores: int = 1, worker_memory: str = "1g",
+                 workdir: str | None = None) -> None:
+        self.hosts = hosts
+        self.cores = cores
+        self.worker_memory = worker_memory
+        self._own_dir = workdir is None
+        self.workdir = workdir or tempfile.mkdtemp(prefix="hvd-multihost-")
+        self.master_url = ""
+        self._procs: list[subprocess.Popen] = []
+        self._session: Any = None
+
+    def _spark_env(self) -> tuple[str, dict[str, str]]:
+        from pyspark.find_spark_home import _find_spark_home
+
+        home = _find_spark_home()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_")}
+        env.update({
+            "SPARK_HOME": home, "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_NO_DAEMONIZE": "1",
+        })
+        return os.path.join(home, "bin", "spark-class"), env
+
+    def start(self) -> SparkStandalone:
+        """Start the master and the workers (returns before the workers registered)."""
+        spark_class, env = self._spark_env()
+        addr = self.hosts.bridge_addr
+        port = free_port(addr)
+        self.master_url = f"spark://{addr}:{port}"
+        master_env = {**env, "SPARK_LOCAL_IP": addr}
+        self._procs.append(subprocess.Popen(
+            [spark_class, "org.apache.spark.deploy.master.Master", "--host", addr,
+             "--port", str(port), "--webui-port", str(free_port(addr))],
+            env=master_env, stdin=subprocess.DEVNULL,
+            stdout=open(self.log_path("master"), "ab"),  # noqa: SIM115 - the child owns it
+            stderr=subprocess.STDOUT, start_new_session=True))
+        for i in range(self.hosts.count):
+            worker_dir = os.path.join(self.workdir, f"worker{i}")
+            os.makedirs(worker_dir, exist_ok=True)
+            worker_env = {**env, "SPARK_LOCAL_IP": self.hosts.addrs[i],
+                          "SPARK_LOCAL_DIRS": worker_dir}
+            self._procs.append(self.hosts.popen(
+                i, [spark_class, "org.apache.spark.deploy.worker.Worker", self.master_url,
+                    "--host", self.hosts.addrs[i], "--cores", str(self.cores),
+                    "--memory", self.worker_memory, "--work-dir", worker_dir,
+                    "--webui-port", "0"],
+                env=worker_env, log_path=self.log_path(f"worker{i}")))
+        return self
+
+    def log_path(self, name: str) -> str:
+        """Where the master's (``master``) or a worker's (``workerI``) output goes."""
+        return os.path.join(self.workdir, f"{name}.log")
+
+    def logs_tail(self, lines: int = 15) -> str:
+        """The last lines of every daemon's log, for error messages."""
+        parts = []
+        for name in ["master", *(f"worker{i}" for i in range(self.hosts.count))]:
+            with contextlib.suppress(OSError), open(self.log_path(name), errors="replace") as f:
+                parts.append(f"--- {name}\n" + "".join(f.readlines()[-lines:]))
+        return "\n".join(parts)
+
+    def session(self, timeout: float = 120.0, executor_memory: str = "768m") -> Any:
+        """A SparkSession on the master, returned once every host's executor is up."""
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            active.stop()
+        total = self.cores * self.hosts.count
+        self._session = (
+            SparkSession.builder.master(self.master_url)
+            .appName("hvd_spark-multihost")
+            .config("spark.driver.host", self.hosts.bridge_addr)
+            .config("spark.driver.bindAddress", self.hosts.bridge_addr)
+            .config("spark.executor.cores", str(self.cores))
+            .config("spark.cores.max", str(total))
+            .config("spark.executor.memory", executor_memory)
+            .config("spark.driver.memory", "1g")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", str(total))
+            .config("spark.python.worker.reuse", "true")
+            .getOrCreate()
+        )
+        self._wait_executors(timeout)
+        return self._session
+
+    def _wait_executors(self, timeout: float) -> None:
+        sc = self._session.sparkContext
+        deadline = time.monotonic() + timeout
+        while True:
+            # The driver's own block manager is in the list too.
+            executors = sc._jsc.sc().getExecutorMemoryStatus().size() - 1
+            if executors >= self.hosts.count:
+                return
+            if time.monotonic() > deadline:
+                raise HarnessError(
+                    f"only {executors} of {self.hosts.count} executors registered within "
+                    f"{timeout:.0f} s; daemon logs:\n{self.logs_tail()}")
+            if any(p.poll() is not None for p in self._procs):
+                raise HarnessError(f"a Spark daemon exited; logs:\n{self.logs_tail()}")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        """Stop the session, the workers and the master; remove the temporary directory."""
+        if self._session is not None:
+            with contextlib.suppress(Exception):
+                self._session.stop()
+            self._session = None
+        for proc in reversed(self._procs):
+            stop(proc)
+        self._procs.clear()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def spark_cluster(hosts: int, cores: int = 1, shape: LinkShape | None = None,
+                  timeout: float = 120.0) -> Iterator[tuple[NetnsHosts, Any]]:
+    """Hosts, a standalone cluster on them and a session: ``(hosts, spark)``; all torn down."""
+    net = NetnsHosts(hosts, shape).start()
+    try:
+        cluster = SparkStandalone(net, cores=cores).start()
+        try:
+            yield net, cluster.session(timeout)
+        finally:
+            cluster.close()
+    finally:
+        net.close()
