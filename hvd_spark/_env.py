@@ -244,7 +244,8 @@ _FLAGS_WHY = {
     "HOROVOD_ENABLE_ASYNC_COMPLETION": "a GPU-only option of Horovod's NCCL path",
     "HOROVOD_BATCH_D2D_MEMCOPIES": "a GPU-only option of Horovod's NCCL path",
     "HOROVOD_DISABLE_GROUP_FUSION": "grouped collectives are always fused with others",
-    "HOROVOD_MPI_THREADS_DISABLE": "there is no MPI backend",
+    "HOROVOD_MPI_THREADS_DISABLE": "the MPI backend needs MPI threads (its engine runs in a "
+                                   "background thread)",
     "HOROVOD_DISABLE_NVTX_RANGES": "no NVTX ranges are emitted",
     "HOROVOD_LOG_HIDE_TIME": "log records go through Python logging: format them with a "
                              "handler",
@@ -252,15 +253,17 @@ _FLAGS_WHY = {
 }
 # Settings with a value this package always has; any other value cannot be honoured.
 _CHOICES_WHY = {
-    "HOROVOD_CONTROLLER": ("gloo", "the controller is hvd_spark's own TCP coordinator"),
-    "HOROVOD_CPU_OPERATIONS": ("gloo", "CPU collectives run on hvd_spark's TCP backend"),
+    "HOROVOD_CONTROLLER": (("gloo", "mpi"), "the controller is hvd_spark's own TCP coordinator, "
+                           "or MPI in ranks started by mpirun (hvdrun --mpi)"),
+    "HOROVOD_CPU_OPERATIONS": (("gloo", "mpi"), "CPU collectives run on hvd_spark's TCP backend, "
+                               "or MPI in ranks started by mpirun (hvdrun --mpi)"),
 }
 # Settings that always ask for something not there.
 _ALWAYS_WHY = {
     "HOROVOD_THREAD_AFFINITY": "the background thread is not pinned",
     "HOROVOD_NUM_NCCL_STREAMS": "there is no NCCL backend yet",
     "HOROVOD_CCL_CACHE": "there is no oneCCL backend",
-    "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "there is no MPI backend",
+    "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "Adasum gathers whole tensors; it is not chunked",
     "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "hvd_spark.run(use_gpu=True) gives each rank its "
                                               "task's GPUs",
     "HOROVOD_SPARK_WORK_DIR": "hvd_spark.run needs no work directory",
@@ -293,7 +296,7 @@ def unsupported_horovod_vars(environ: dict[str, str] | None = None) -> dict[str,
                 found[var] = _FLAGS_WHY[var]
         elif var in _CHOICES_WHY:
             allowed, why = _CHOICES_WHY[var]
-            if value.strip().lower() not in ("", allowed):
+            if value.strip().lower() not in ("", *allowed):
                 found[var] = why
         elif var in _ALWAYS_WHY:
             found[var] = _ALWAYS_WHY[var]

@@ -72,8 +72,13 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         config = EngineConfig.from_env()
         _env.apply_log_level()
         _env.warn_unsupported_horovod_vars()  # one log line naming what cannot be honoured
-        factory = registry.resolve(_env.get_str(_env.BACKEND, "auto") or "auto")
-        if elastic.is_elastic():
+        backend = _env.get_str(_env.BACKEND, "auto") or "auto"
+        factory = registry.resolve(backend)
+        own_world = registry.own_world(backend)
+        if own_world is not None:
+            # mpirun started the ranks (hvdrun --mpi): MPI itself forms the job and runs it.
+            world, _engine, hosts = own_world(config)
+        elif elastic.is_elastic():
             member = elastic.membership()
             _start_heartbeat(member.addr, member.secret, member.worker)
             world = member.join()  # blocks until the launcher forms the next generation
@@ -86,7 +91,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             if world.rendezvous_addr and _env.get_str(_env.HEARTBEAT):
                 _start_heartbeat(wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR),
                                  world.secret, str(world.rank))
-        if not world.rendezvous_addr:
+        if own_world is not None:
+            pass
+        elif not world.rendezvous_addr:
             # No launcher: a one-rank job, as Horovod gives a plain `python train.py`.
             comm_, control = factory(world, config, {}), {}
         else:
@@ -107,9 +114,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             for sock in [*mesh.data.values(), *mesh.control.values()]:
                 sock.settimeout(config.timeout)
             comm_, control = factory(world, config, mesh.data), mesh.control
-        _engine = Engine(world.rank, world.size, comm_, control, config)
+        if own_world is None:
+            _engine = Engine(world.rank, world.size, comm_, control, config)
+            hosts = mesh.hosts if world.rendezvous_addr else {0: world.hostname}
         _world = world
-        hosts = mesh.hosts if world.rendezvous_addr else {0: world.hostname}
         per_host = collections.Counter(hosts.values())
         _homogeneous[0] = len(set(per_host.values())) <= 1
         _names.clear()

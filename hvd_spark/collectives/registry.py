@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import socket
 from collections.abc import Callable
 
+from hvd_spark import _env
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.config import EngineConfig, WorldInfo
 from hvd_spark.errors import BackendUnavailableError, ConfigError
@@ -15,7 +18,13 @@ Factory = Callable[[WorldInfo, EngineConfig, dict[int, socket.socket]], Communic
 
 _BACKENDS: dict[str, str] = {
     "tcp": "hvd_spark.collectives.tcp.communicator:create",
+    "mpi": "hvd_spark.collectives.mpi.world:create",
 }
+# Backends that form the job themselves, their launcher having started the ranks (mpirun):
+# start(config) -> (WorldInfo, engine, {rank: hostname}).
+_OWN_WORLD: dict[str, str] = {"mpi": "hvd_spark.collectives.mpi.world:start"}
+# What Open MPI, MPICH/Hydra and PMIx launchers set in every rank's environment.
+_MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
 def register(name: str, target: str) -> None:
@@ -28,6 +37,27 @@ def names() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def launched_by_mpirun() -> bool:
+    """True in a process an MPI launcher started, and not one of our launchers (whose
+    variables win: hvdrun inside an MPI allocation still means TCP)."""
+    if any(_env.get_str(var) for var in _env.LAUNCHER_VARS):
+        return False
+    return any(var in os.environ for var in _MPI_LAUNCHER_VARS)
+
+
+def own_world(name: str) -> Callable | None:
+    """The job-forming ``start`` of backend ``name``, or None for backends joining a mesh.
+
+    "auto" means MPI in processes started by mpirun (as Horovod's ``mpirun python
+    train.py``) when mpi4py is installed, TCP elsewhere.
+    """
+    if name == "auto":
+        mpi = launched_by_mpirun() and importlib.util.find_spec("mpi4py") is not None
+        name = "mpi" if mpi else "tcp"
+    target = _OWN_WORLD.get(name)
+    return None if target is None else _load(name, target)
+
+
 def resolve(name: str) -> Factory:
     """Return the factory for ``name`` ("auto" picks tcp on CPU)."""
     if name == "auto":
@@ -38,6 +68,10 @@ def resolve(name: str) -> Factory:
             f"unknown collectives backend {name!r}; HVD_SPARK_BACKEND must be one of "
             f"{['auto', *names()]}"
         )
+    return _load(name, target)
+
+
+def _load(name: str, target: str) -> Callable:
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -48,7 +48,7 @@ def test_honoured_launcher_and_build_variables_are_not_reported():
 def test_settings_that_cannot_be_honoured_are_reported_with_why():
     environ = {
         "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_AUTOTUNE": "1",
-        "HOROVOD_AUTOTUNE_LOG": "/tmp/a.csv", "HOROVOD_CONTROLLER": "mpi",
+        "HOROVOD_AUTOTUNE_LOG": "/tmp/a.csv", "HOROVOD_CPU_OPERATIONS": "ccl",
         "HOROVOD_THREAD_AFFINITY": "0,1",
         "HOROVOD_FUSION_THRESHOL": "1",  # a typo
     }

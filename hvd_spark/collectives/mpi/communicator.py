@@ -95,7 +95,7 @@ class MpiCommunicator(Communicator):
         self.mpi_comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.timeout = timeout
-        self.abort = abort
+        self.channel = abort
         self._owns_abort = owns_abort
         self._closed = False
 
@@ -104,9 +104,9 @@ class MpiCommunicator(Communicator):
     def _run(self, start, what: str) -> None:
         if self._closed:
             raise CollectiveError(f"{what}: the MPI communicator of rank {self.rank} is closed")
-        if self.abort.notice is not None:
-            raise CollectiveError(f"{what} cannot run: {self.abort.notice}")
-        wait(start(), time.monotonic() + self.timeout, self.abort, f"MPI {what}")
+        if self.channel.notice is not None:
+            raise CollectiveError(f"{what} cannot run: {self.channel.notice}")
+        wait(start(), time.monotonic() + self.timeout, self.channel, f"MPI {what}")
 
     @staticmethod
     def _flat(buf: SegmentedBuffer) -> tuple[np.ndarray, bool]:
@@ -197,7 +197,15 @@ class MpiCommunicator(Communicator):
         group = self.mpi_comm.Get_group().Incl(list(members))
         sub = self.mpi_comm.Create_group(group, tag=11)
         group.Free()
-        return MpiCommunicator(sub, self.timeout, self.abort, owns_abort=False)
+        return MpiCommunicator(sub, self.timeout, self.channel, owns_abort=False)
+
+    def abort(self) -> None:
+        """Make a wait in the engine thread fail now (another thread saw the job break)."""
+        self.channel.interrupt("the job is breaking up (aborted on this rank)")
+
+    def finish(self) -> None:
+        """Close after a clean, collective goodbye: nobody is waiting, so nobody is told."""
+        self._closed = True
 
     def close(self) -> None:
         """Stop; peers still waiting on us are told at once (their waits fail)."""
@@ -205,4 +213,4 @@ class MpiCommunicator(Communicator):
             return
         self._closed = True
         if self._owns_abort:
-            self.abort.send(f"rank {self.rank} closed its MPI communicator")
+            self.channel.send(f"rank {self.rank} closed its MPI communicator")

@@ -45,6 +45,11 @@ class AbortChannel:
                 self.notice = f"rank {status.Get_source()} stopped: {reason}"
         return self.notice
 
+    def interrupt(self, reason: str) -> None:
+        """End this rank's own waits now (from any thread), as a peer's notice would."""
+        if self.notice is None:
+            self.notice = reason
+
     def send(self, reason: str) -> None:
         """Tell every peer we gave up (once; never blocks: small sends are buffered)."""
         if self._sent or self.size == 1:

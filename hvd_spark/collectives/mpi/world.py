@@ -1,0 +1,67 @@
+"""Form an hvd_spark job from ``MPI.COMM_WORLD``: ranks, hosts and the engine.
+
+``mpirun`` (``hvdrun --mpi``) started the ranks, so there is no rendezvous store and no
+mesh: the local ranks are the ranks sharing memory with us, the cross ranks are the
+ranks with our local rank on the other hosts, as in Horovod.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import time
+
+from mpi4py import MPI
+
+from hvd_spark import _env
+from hvd_spark.collectives.mpi.communicator import MpiCommunicator
+from hvd_spark.collectives.mpi.engine import MpiEngine
+from hvd_spark.collectives.mpi.negotiation import Negotiation
+from hvd_spark.collectives.mpi.waiting import AbortChannel, wait
+from hvd_spark.config import DEFAULT_START_TIMEOUT_S, EngineConfig, WorldInfo
+from hvd_spark.errors import BackendUnavailableError
+
+
+def start(config: EngineConfig) -> tuple[WorldInfo, MpiEngine, dict[int, str]]:
+    """Join the MPI job: returns this rank's world, its running engine, and rank -> host.
+
+    Raises:
+        BackendUnavailableError: The MPI library cannot serve a background thread.
+        CollectiveTimeoutError: Some rank did not call ``init()`` within the start timeout.
+    """
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise BackendUnavailableError(
+            "the MPI library was initialized without thread support (MPI_THREAD_SERIALIZED or "
+            "more is needed: the collectives run in a background thread); do not set "
+            "mpi4py.rc.thread_level below 'serialized'")
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+    # MPI's communicator calls below block without a deadline: first make sure every rank
+    # is here, with one.
+    wait(world.Ibarrier(), time.monotonic() + start_timeout, None,
+         f"hvd_spark.init() on rank {rank}: waiting for all {size} MPI ranks to call init()")
+    data, control, aborts = world.Dup(), world.Dup(), world.Dup()
+    local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    cross = world.Split(color=local.Get_rank(), key=rank)
+    hostname = _env.get_str(_env.HOSTNAME) or socket.gethostname()
+    hosts = dict(enumerate(world.allgather(hostname)))
+    secret = world.bcast(secrets.token_bytes(32) if rank == 0 else None, root=0)
+    info = WorldInfo(
+        rank=rank, size=size, local_rank=local.Get_rank(), local_size=local.Get_size(),
+        cross_rank=cross.Get_rank(), cross_size=cross.Get_size(), rendezvous_addr="",
+        secret=secret, hostname=hostname)
+    local.Free()
+    cross.Free()
+    channel = AbortChannel(aborts)
+    comm = MpiCommunicator(data, config.timeout, channel)
+    engine = MpiEngine(comm, Negotiation(control, channel, config.timeout), config)
+    return info, engine, hosts
+
+
+def create(world, config, data_socks):
+    """Registry factory: the MPI backend forms its own job, it cannot join a TCP mesh."""
+    del world, config, data_socks
+    raise BackendUnavailableError(
+        "the MPI backend runs only in ranks started by mpirun (hvdrun --mpi -np N ...); "
+        "inside Spark or under plain hvdrun, use the tcp backend")
