@@ -393,9 +393,9 @@ _SHIPPED_PARAMS = ("model", "optimizer", "loss", "loss_constructors", "metrics",
 def _check_slots(backend: Backend) -> None:
     """Refuse num_proc above the cluster's task slots before any data is written."""
     if isinstance(backend, SparkBackend):
-        from hvd_spark.runner.spark_launcher import active_session, check_cluster
+        from hvd_spark.runner.spark_launcher import active_session, check_cluster, cluster_context
 
-        check_cluster(active_session().sparkContext, backend.num_processes())
+        check_cluster(cluster_context(active_session()), backend.num_processes())
 
 
 def _check_writable(store: Store) -> None:

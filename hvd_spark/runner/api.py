@@ -179,7 +179,7 @@ def run_with_report(
     user_env = _check_env(env)
     timeout = _start_timeout(start_timeout)
     spark = spark_launcher.active_session()
-    sc = spark.sparkContext
+    sc = spark_launcher.cluster_context(spark)  # a SparkContext, or its Connect stand-in
     num_proc = sc.defaultParallelism if num_proc is None else num_proc
     if not isinstance(num_proc, int) or num_proc < 1:
         raise ConfigError(f"num_proc must be a positive integer, got {num_proc!r}")

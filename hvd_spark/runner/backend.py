@@ -87,9 +87,9 @@ class SparkBackend(Backend):
 
     def num_processes(self) -> int:
         if self._num_proc is None:
-            from hvd_spark.runner.spark_launcher import active_session
+            from hvd_spark.runner.spark_launcher import active_session, cluster_context
 
-            self._num_proc = active_session().sparkContext.defaultParallelism
+            self._num_proc = cluster_context(active_session()).defaultParallelism
         return self._num_proc
 
     def with_options(self, **options: Any) -> SparkBackend:
