@@ -49,6 +49,8 @@ TIMELINE_MARK_CYCLES = "HVD_SPARK_TIMELINE_MARK_CYCLES"
 LOG_LEVEL = "HVD_SPARK_LOG_LEVEL"
 IFACE = "HVD_SPARK_IFACE"
 HEARTBEAT = "HVD_SPARK_HEARTBEAT_S"
+# hvdrun's launcher when --mpi is not given: "mpi" starts the ranks with mpirun.
+HVDRUN_LAUNCHER = "HVD_SPARK_HVDRUN_LAUNCHER"
 
 # Set by the elastic launchers: the worker joins generations instead of reading a fixed rank.
 ELASTIC = "HVD_SPARK_ELASTIC"

@@ -1,4 +1,4 @@
-"""``hvdrun -np N [--timeout S] python script.py args...``: N local ranks, no Spark."""
+"""``hvdrun -np N [--timeout S] [--mpi] python script.py args...``: N local ranks, no Spark."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
 from hvd_spark.runner.elastic_driver import ElasticSettings
 from hvd_spark.runner.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob
 from hvd_spark.runner.local_launcher import run_command
+from hvd_spark.runner.mpi_launcher import run_mpirun
 
 # What a shell exits with for a command it cannot find / cannot execute.
 EXIT_NOT_FOUND = 127
@@ -31,6 +32,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--timeout", type=float, default=None,
         help="seconds ranks may wait for each other, at start-up and in any collective",
     )
+    parser.add_argument(
+        "--mpi", action="store_true", default=_env.get_str(_env.HVDRUN_LAUNCHER) == "mpi",
+        help="start the ranks with mpirun; collectives then run over MPI (mpi4py), as "
+             f"horovodrun --mpi (default when {_env.HVDRUN_LAUNCHER}=mpi)")
     elastic = parser.add_argument_group(
         "elastic training", "a lost rank is not fatal while --min-np remain (the script uses "
         "hvd.elastic.run); replacements start in freed slots up to --max-np")
@@ -52,6 +57,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"-np must be at least 1, got {args.num_proc}")
     args.elastic = any(v is not None for v in (
         args.min_np, args.max_np, args.elastic_timeout, args.reset_limit, args.cooldown))
+    if args.elastic and args.mpi:
+        parser.error("--mpi cannot be combined with the elastic options: MPI jobs have a fixed "
+                     "size")
     if args.elastic:
         try:
             args.settings = ElasticSettings(
@@ -95,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         env[_env.START_TIMEOUT] = str(args.timeout)
     if args.elastic:
         return _run_elastic(args, env)
+    if args.mpi:
+        return _run_mpi(args, env)
     try:
         failures = run_command(args.command, args.num_proc, env)
     except OSError as exc:  # the program vanished or lost its permissions after the check
@@ -105,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hvdrun: {error}", file=sys.stderr)
         return error.root_cause.shell_exit_code()
     return 0
+
+
+def _run_mpi(args: argparse.Namespace, env: dict[str, str]) -> int:
+    try:
+        return run_mpirun(args.num_proc, args.command, env)
+    except ConfigError as exc:  # no mpirun, or one we do not know
+        print(f"hvdrun: {exc}", file=sys.stderr)
+        return 1
 
 
 def _run_elastic(args: argparse.Namespace, env: dict[str, str]) -> int:

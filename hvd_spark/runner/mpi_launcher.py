@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
+from typing import IO
 
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
+from hvd_spark.runner.output import OutputForwarder
 
 OPEN_MPI = "openmpi"
 MPICH = "mpich"
@@ -88,7 +92,45 @@ def mpirun_command(num_proc: int, command: Sequence[str], env: dict[str, str],
     return [*args, *command], full_env
 
 
-def run_mpirun(num_proc: int, command: Sequence[str], env: dict[str, str]) -> int:
-    """Run ``command`` under mpirun; return mpirun's exit code."""
+# Open MPI's --tag-output: "[job,rank]<stdout>: line"; MPICH's -prepend-rank: "[rank] line".
+_TAG = re.compile(r"^\[(?:\d+,)?(\d+)\](?:<(?:stdout|stderr|stddiag)>:)? ?(.*)$", re.S)
+
+
+def _relabel(pipe: IO[bytes], stream: str, forwarder: OutputForwarder) -> None:
+    """Copy mpirun's tagged lines as ``[rank] line``, as hvdrun prints local ranks'."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            match = _TAG.match(line)
+            if match:
+                forwarder.write(int(match.group(1)), stream, match.group(2))
+            else:  # mpirun's own messages
+                target = sys.stdout if stream == "stdout" else sys.stderr
+                target.write(line)
+                target.flush()
+
+
+def run_mpirun(num_proc: int, command: Sequence[str], env: dict[str, str],
+               stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
+    """Run ``command`` as ``num_proc`` ranks under mpirun, each line labelled with its rank.
+
+    Returns:
+        mpirun's exit code (Open MPI: the first failed rank's code).
+    """
     args, full_env = mpirun_command(num_proc, command, env)
-    return subprocess.run(args, env=full_env).returncode
+    forwarder = OutputForwarder(stdout or sys.stdout, stderr or sys.stderr)
+    proc = subprocess.Popen(args, env=full_env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pumps = [threading.Thread(target=_relabel, args=(pipe, name, forwarder), daemon=True,
+                              name=f"hvd-out-mpirun-{name}")
+             for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+    for pump in pumps:
+        pump.start()
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()  # mpirun forwards it to the ranks
+        code = proc.wait()
+    for pump in pumps:
+        pump.join(5.0)
+    return code
