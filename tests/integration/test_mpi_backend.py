@@ -1,0 +1,63 @@
+"""The MPI backend end to end: ``hvdrun --mpi`` starts real ranks under mpirun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hvd_spark.runner.mpi_launcher import mpirun_command
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVD_SPARK_", "HOROVOD_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return {**env, **extra}
+
+
+def _hvdrun_mpi(np_: int, case: str, timeout: float = 180, **extra: str):
+    return subprocess.run(
+        [sys.executable, "-m", "hvd_spark.runner", "--mpi", "-np", str(np_), sys.executable,
+         "-m", "tests.integration.mpi_jobs", case],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env(**extra))
+
+
+def test_every_collective_on_three_mpi_ranks():
+    proc = _hvdrun_mpi(3, "every_collective")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(3):
+        assert f"[{r}] OK every_collective" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_plain_mpirun_picks_the_mpi_backend():
+    """Horovod users start ``mpirun python train.py``: 'auto' means MPI there."""
+    args, env = mpirun_command(2, [sys.executable, "-m", "tests.integration.mpi_jobs",
+                                   "every_collective"], {})
+    env = {**_env(), **{k: v for k, v in env.items() if k.startswith("OMPI_")}}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("OK every_collective") == 2
+
+
+def test_a_failing_rank_ends_the_job_quickly():
+    start = time.monotonic()
+    proc = _hvdrun_mpi(2, "rank_fails", HVD_SPARK_TIMEOUT="120")
+    assert proc.returncode != 0
+    assert "rank 1 breaks on purpose" in proc.stderr
+    assert time.monotonic() - start < 60  # not the 120 s collective timeout
+
+
+def test_a_collective_one_rank_never_calls_times_out():
+    proc = _hvdrun_mpi(2, "timeout", HVD_SPARK_TIMEOUT="3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("OK timeout") == 2
+
+
+def test_a_shutdown_on_one_rank_stops_the_others_with_the_reason():
+    proc = _hvdrun_mpi(2, "early_shutdown")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("OK early_shutdown") == 2
