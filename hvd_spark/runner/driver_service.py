@@ -81,6 +81,12 @@ class DriverService:
         with self._cond:
             return {i.rank: i.host for i in (self._assignment or {}).values()}
 
+    @property
+    def ranks(self) -> dict[int, RankInfo]:
+        """Partition -> its rank, once every task has registered (empty before)."""
+        with self._cond:
+            return dict(self._assignment or {})
+
     def _on_register(self, partition: int, host: str, timeout: float) -> RankInfo:
         # Blocks the task until every task has registered, then returns its rank.
         with self._cond:

@@ -22,6 +22,8 @@ class WorkerFailure:
         secondary: True when it is likely a consequence of another rank's failure.
         exit_code: The process's exit status when it ended without reporting (negative:
             killed by that signal); None when the rank reported an exception.
+        lost: True when the rank's process, its Spark task or its executor vanished
+            (killed, preempted, host gone) rather than ``fn`` raising: a retry may succeed.
     """
 
     rank: int
@@ -31,6 +33,7 @@ class WorkerFailure:
     timestamp: float = dataclasses.field(default_factory=time.time)
     secondary: bool = False
     exit_code: int | None = None
+    lost: bool = False
 
     @classmethod
     def from_exception(cls, rank: int, host: str, exc: BaseException) -> WorkerFailure:
@@ -53,7 +56,7 @@ class WorkerFailure:
         if torn_down:
             how += " (stopped by the launcher after another rank failed)"
         return cls(rank=rank, host=host, message=f"process {how}", secondary=torn_down,
-                   exit_code=returncode)
+                   exit_code=returncode, lost=returncode < 0 and not torn_down)
 
     def shell_exit_code(self) -> int:
         """The status a launcher should exit with for this failure, as a shell reports it.

@@ -25,14 +25,16 @@ from hvd_spark.errors import (
     RendezvousTimeoutError,
     WorkerFailedError,
 )
-from hvd_spark.runner import spark_task
+from hvd_spark.runner import spark_task, task_loss
 from hvd_spark.runner.connect import ConnectContext, is_connect
 from hvd_spark.runner.driver_service import DriverService
 from hvd_spark.runner.failures import WorkerFailure
 
 log = logging.getLogger(__name__)
 
-_TEARDOWN_GRACE_S = 3.0
+# Stopped ranks exit within ~3 s; a task that vanished never does, and Spark's verdict on
+# it (executor lost) takes a few seconds more to end the job.
+_TEARDOWN_GRACE_S = 10.0
 _JOIN_TIMEOUT_S = 30.0
 _SLOT_WAIT_S = 15.0
 _POLL_S = 0.2
@@ -211,6 +213,15 @@ class SparkLaunch:
             self._supervise(outcome)
         finally:
             self._finish(outcome)
+        self._drain(outcome)
+        verdict = (task_loss.read_verdict(outcome.spark_error)
+                   if outcome.spark_error is not None else None)
+        # A task that vanished (its executor lost) never reports: Spark's verdict names it.
+        # Tasks that failed before every rank was assigned are a setup problem (below).
+        if verdict is not None and (self.service.ranks or verdict.executor is not None):
+            outcome.failures = task_loss.lost_task_failures(
+                verdict, outcome.failures, set(outcome.results) | outcome.exited,
+                self.service.ranks, self.num_proc)
         if outcome.failures:
             raise WorkerFailedError(list(outcome.failures.values()))
         if len(outcome.results) < self.num_proc:
@@ -265,6 +276,15 @@ class SparkLaunch:
             out.failures.setdefault(key, value)
         elif kind == "spark_done":
             out.spark_done, out.spark_error = True, value
+
+    def _drain(self, out: _Outcome) -> None:
+        """Apply the events that arrived while the run was stopped (the job's end, exits)."""
+        while True:
+            try:
+                kind, key, value = self.service.events.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(out, kind, key, value, torn_down=True)
 
     def _finish(self, out: _Outcome) -> None:
         """Stop the ranks, cancel the job if it still runs, and wait for it (bounded)."""
