@@ -7,6 +7,7 @@ import sys
 
 BENCHMARKS = {
     "allreduce": ("hvd_spark.bench.allreduce", "collectives busbw vs torch Gloo and MPI"),
+    "latency": ("hvd_spark.bench.latency", "small allreduce latency: MPI backend vs TCP/shm"),
     "torch": ("hvd_spark.bench.torch_bench", "DistributedOptimizer vs torch DDP (Gloo)"),
     "keras": ("hvd_spark.bench.keras_bench", "Keras DistributedOptimizer vs MWMS"),
     "spark": ("hvd_spark.bench.spark_overhead", "hvd_spark.run overhead vs TorchDistributor"),

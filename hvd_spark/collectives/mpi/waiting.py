@@ -2,13 +2,15 @@
 
 MPI has no timeouts and a blocking MPI call cannot be interrupted, so every wait here
 polls a non-blocking request: it spins briefly (small messages complete within
-microseconds), then sleeps in growing steps so an idle wait costs little CPU. Each
+microseconds), then yields the CPU between polls, then sleeps in growing steps so a
+long wait costs little CPU. Each
 wait also watches the abort channel: a rank that fails or closes its backend tells
 every peer, and their waits end at once instead of at the timeout.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -17,7 +19,8 @@ from mpi4py import MPI
 from hvd_spark.errors import CollectiveTimeoutError, PeerDisconnectedError
 
 ABORT_TAG = 77
-_SPIN_S = 200e-6
+_SPIN_S = 50e-6
+_YIELD_S = 2e-3
 _MAX_SLEEP_S = 1e-3
 _PROBE_EVERY = 64
 
@@ -73,11 +76,12 @@ def wait(request: Any, deadline: float, abort: AbortChannel | None, what: str) -
     if request.Test():
         return
     start = time.monotonic()
-    spins = 0
-    sleep = 10e-6
+    polls = 0
+    sleep = 0.0
+    yielding = False
     while True:
-        spins += 1
-        if spins % _PROBE_EVERY == 0 or sleep > 10e-6:
+        polls += 1
+        if yielding or polls % _PROBE_EVERY == 0:
             now = time.monotonic()
             if abort is not None and abort.check() is not None:
                 raise PeerDisconnectedError(f"{what} cannot complete: {abort.notice}")
@@ -85,8 +89,14 @@ def wait(request: Any, deadline: float, abort: AbortChannel | None, what: str) -
                 raise CollectiveTimeoutError(
                     f"{what} did not complete within the deadline (HVD_SPARK_TIMEOUT); a rank "
                     "may be stuck or may not have called it")
-            if now - start > _SPIN_S:
+            if now - start > _YIELD_S:
+                yielding = True
+                sleep = min(max(sleep * 2, 20e-6), _MAX_SLEEP_S)
                 time.sleep(sleep)
-                sleep = min(sleep * 2, _MAX_SLEEP_S)
+            elif now - start > _SPIN_S:
+                # Give the CPU to whoever we wait for (often a peer on the same core), but
+                # come back at once when nobody else needs it: a sleep costs a timer tick.
+                yielding = True
+                os.sched_yield()
         if request.Test():
             return

@@ -1,0 +1,118 @@
+"""Small-message allreduce latency: the MPI backend vs the TCP/shared-memory backend.
+
+``python -m hvd_spark.bench latency [-np 2] [--sizes 1K,4K,64K] [--rounds 3]`` alternates,
+round by round, a job under ``hvdrun`` (TCP backend, shared memory between local ranks)
+and one under ``hvdrun --mpi``; inside the MPI job, raw ``MPI_Allreduce`` (mpi4py) is
+timed in the same processes, alternating with ours, as the floor. Each figure is the
+median over rounds of the slowest rank's mean time per synchronous, end-to-end
+``allreduce`` call (submission, negotiation, reduction, result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from hvd_spark.bench.allreduce import parse_size
+
+_MARK = "LATENCY_JSON "
+
+
+def _mean_time(fn, iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def worker(sizes: list[int], iters: int) -> None:
+    """Run inside each rank: time hvd_spark's allreduce (and raw MPI's, under MPI)."""
+    import hvd_spark.collectives as hvd
+    from hvd_spark.collectives import ops
+
+    hvd.init()
+    backend = hvd.backend_name()
+    raw = None
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        raw = MPI.COMM_WORLD
+    rows = []
+    for nbytes in sizes:
+        x = np.ones(max(1, nbytes // 4), np.float32)
+        ours = lambda x=x: hvd.allreduce_(x, op=ops.Sum)  # noqa: E731
+        floor = (lambda x=x: raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM)) if raw else None  # noqa: E731
+        ours_t, floor_t = [], []
+        for _ in range(3):  # alternate, so a noisy moment hits both alike
+            for fn, out in ((ours, ours_t), (floor, floor_t)):
+                if fn is None:
+                    continue
+                for _ in range(20):
+                    fn()
+                hvd.barrier()
+                seconds = _mean_time(fn, iters)
+                out.append(float(hvd.allreduce(np.array([seconds]), op=ops.Max)[0]))
+        rows.append({"bytes": nbytes, "ours": min(ours_t),
+                     "raw_mpi": min(floor_t) if floor_t else None})
+    if hvd.rank() == 0:
+        print(_MARK + json.dumps({"backend": backend, "rows": rows}), flush=True)
+    hvd.shutdown()
+
+
+def _job(mpi: bool, num_proc: int, argv: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "hvd_spark.runner", *(["--mpi"] if mpi else []),
+           "-np", str(num_proc), sys.executable, "-m", "hvd_spark.bench.latency", "--worker",
+           *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    for line in proc.stdout.splitlines():
+        if _MARK in line:
+            return json.loads(line.split(_MARK, 1)[1])
+    raise RuntimeError(f"latency job ({'mpi' if mpi else 'tcp'}) failed: "
+                       f"{(proc.stdout + proc.stderr)[-2000:]}")
+
+
+def format_table(num_proc: int, runs: dict[str, list[dict]]) -> str:
+    """One line per size: medians over rounds, in microseconds."""
+    def med(backend: str, i: int, key: str) -> float:
+        values = [r["rows"][i][key] for r in runs[backend] if r["rows"][i][key] is not None]
+        return statistics.median(values) * 1e6 if values else float("nan")
+
+    lines = [f"allreduce latency, {num_proc} ranks, float32 Sum, us per call (median of "
+             f"{len(runs['tcp'])} rounds)",
+             f"{'size':>8} {'tcp+shm':>9} {'mpi':>9} {'raw MPI':>9} {'mpi/tcp':>8}"]
+    for i, row in enumerate(runs["tcp"][0]["rows"]):
+        tcp, mpi, raw = med("tcp", i, "ours"), med("mpi", i, "ours"), med("mpi", i, "raw_mpi")
+        lines.append(f"{row['bytes']:>8} {tcp:9.1f} {mpi:9.1f} {raw:9.1f} {mpi / tcp:8.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m hvd_spark.bench latency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-np", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--sizes", default="1K,4K,64K", help="message sizes (default 1K,4K,64K)")
+    p.add_argument("--iters", type=int, default=500, help="calls timed per sample")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of both jobs")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.worker:
+        worker(sizes, args.iters)
+        return 0
+    worker_argv = ["--sizes", args.sizes, "--iters", str(args.iters)]
+    runs: dict[str, list[dict]] = {"tcp": [], "mpi": []}
+    for _ in range(args.rounds):
+        runs["tcp"].append(_job(False, args.np, worker_argv))
+        runs["mpi"].append(_job(True, args.np, worker_argv))
+    print(format_table(args.np, runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
