@@ -21,7 +21,12 @@ import numpy as np
 
 from hvd_spark._env import LOCAL_RANK
 from hvd_spark.estimator import history as hist
-from hvd_spark.estimator.train_spec import TrainSpec, make_readers, set_start_method
+from hvd_spark.estimator.train_spec import (
+    TrainSpec,
+    check_loss,
+    make_readers,
+    set_start_method,
+)
 
 log = logging.getLogger("hvd_spark.estimator")
 
@@ -206,8 +211,22 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
                          "optimizer": _optimizer_state(dist_opt)}
                 spec.store.save_checkpoint(spec.run_id, epoch, pickle.dumps(state))
 
+    class FiniteLoss(keras.callbacks.Callback):
+        """Stops the fit with a DataError naming the epoch and step of a NaN/inf loss."""
+
+        epoch = 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            # Keras logs the epoch's running mean: it turns non-finite at the first bad step.
+            if logs and "loss" in logs:
+                check_loss(float(logs["loss"]), self.epoch, batch, spec,
+                           reader.steps_per_epoch, hvd.rank())
+
     with tempfile.TemporaryDirectory(prefix="hvd_spark_keras_") as workdir:
-        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), FiniteLoss(),
                      hvd.callbacks.MetricAverageCallback(), EpochEnd(),
                      *_user_callbacks(keras, payload, hvd.rank(), spec, workdir)]
         if spec.start_epoch < spec.epochs:

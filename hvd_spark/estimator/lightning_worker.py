@@ -10,7 +10,6 @@ No pyspark here (an import contract).
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import tempfile
 from typing import Any
@@ -20,7 +19,12 @@ import cloudpickle
 from hvd_spark.estimator import history as hist
 from hvd_spark.estimator.lightning_strategy import strategy_class
 from hvd_spark.estimator.torch_worker import _as_tuple, _inputs, _tensor, training_device
-from hvd_spark.estimator.train_spec import TrainSpec, make_readers, set_start_method
+from hvd_spark.estimator.train_spec import (
+    TrainSpec,
+    check_loss,
+    make_readers,
+    set_start_method,
+)
 
 
 class TensorBatches:
@@ -82,9 +86,9 @@ def _callbacks(pl: Any, spec: TrainSpec, history: list[dict], workdir: str,
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            if loss is not None and not math.isfinite(float(loss)):
-                raise ValueError(f"terminate_on_nan: the loss of batch {batch_idx} in epoch "
-                                 f"{trainer.current_epoch} is {float(loss)}")
+            if loss is not None:
+                check_loss(float(loss), trainer.current_epoch, batch_idx, spec,
+                           trainer.num_training_batches, hvd.rank())
 
     return [EpochEnd(), *([NanGuard()] if terminate_on_nan else [])]
 

@@ -26,7 +26,12 @@ import cloudpickle
 import numpy as np
 
 from hvd_spark.estimator import history as hist
-from hvd_spark.estimator.train_spec import TrainSpec, make_readers, set_start_method
+from hvd_spark.estimator.train_spec import (
+    TrainSpec,
+    check_loss,
+    make_readers,
+    set_start_method,
+)
 
 log = logging.getLogger("hvd_spark.estimator")
 
@@ -222,7 +227,9 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             outputs, loss = run(model, dist_opt, transform_outputs, loss_fn, inputs, labels,
                                 row_weights, spec.backward_passes_per_step, step)
             outputs, labels = transform_outputs(outputs, labels)
-            hist.accumulate(sums, "loss", float(loss.detach()))
+            value = float(loss.detach())
+            check_loss(value, epoch, step, spec, reader.steps_per_epoch, hvd.rank())
+            hist.accumulate(sums, "loss", value)
             with torch.no_grad():
                 add_metrics(sums, outputs, labels)
             steps += 1

@@ -200,6 +200,29 @@ def batch_shape(shape: Sequence[int], what: str, row_size: int | None = None) ->
     return (-1, *row)
 
 
+def check_loss(value: float, epoch: int, step: int, spec: TrainSpec, steps: int,
+               rank: int) -> None:
+    """Stop training when the loss is NaN or infinite: every later step would train on it.
+
+    Args:
+        value: The training loss of the step.
+        epoch, step: 0-based epoch and step within it (named 1-based, as the history is).
+        spec: The run's spec (for the number of epochs).
+        steps: Steps per epoch.
+        rank: The rank that saw the loss.
+
+    Raises:
+        DataError: Naming the epoch, the step and what to try.
+    """
+    if math.isfinite(value):
+        return
+    raise DataError(
+        f"the training loss became {value} at epoch {epoch + 1} of {spec.epochs}, step "
+        f"{step + 1} of {steps} (rank {rank}); training stopped instead of returning a broken "
+        "model. Lower the learning rate, clip gradients, or look for extreme feature or "
+        "label values (prepare_data refuses NaN/inf input, not huge values)")
+
+
 def set_start_method(method: str | None) -> None:
     """Horovod's ``mp_start_method``: set multiprocessing's start method in this rank."""
     if method:
