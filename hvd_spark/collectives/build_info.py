@@ -1,25 +1,40 @@
 """What this build of hvd_spark has, answered the way Horovod's ``*_built`` functions are.
 
 Ported code branches on these (``if hvd.nccl_built(): ...``), so each tells the
-truth: bytes move over hvd_spark's own TCP ring and shared memory, on the CPU.
+truth: bytes move over hvd_spark's own TCP ring and shared memory on the CPU, or over
+MPI in ranks started by mpirun when mpi4py is installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 
 def mpi_built() -> bool:
-    """False: collectives do not run over MPI in this build."""
-    return False
+    """True when the MPI backend can run here (mpi4py is installed)."""
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def _mpi_in_use() -> bool:
+    from hvd_spark.collectives import api  # late: api imports this module's package
+
+    engine = api._engine
+    return engine is not None and engine.comm.name == "mpi"
 
 
 def mpi_enabled() -> bool:
-    """False: MPI is not in use."""
-    return False
+    """True while this job's collectives run over MPI (started by mpirun / hvdrun --mpi)."""
+    return _mpi_in_use()
 
 
 def mpi_threads_supported() -> bool:
-    """False: there is no MPI (collectives may still be called from several threads)."""
-    return False
+    """True when MPI is in use with MPI_THREAD_MULTIPLE (collectives work from any thread
+    on every backend: the engine's own thread is the only one calling MPI)."""
+    if not _mpi_in_use():
+        return False
+    mpi = sys.modules["mpi4py.MPI"]
+    return mpi.Query_thread() == mpi.THREAD_MULTIPLE
 
 
 def gloo_built() -> bool:

@@ -18,7 +18,7 @@ Factory = Callable[[WorldInfo, EngineConfig, dict[int, socket.socket]], Communic
 
 _BACKENDS: dict[str, str] = {
     "tcp": "hvd_spark.collectives.tcp.communicator:create",
-    "mpi": "hvd_spark.collectives.mpi.world:create",
+    "mpi": "hvd_spark.collectives.mpi:create",
 }
 # Backends that form the job themselves, their launcher having started the ranks (mpirun):
 # start(config) -> (WorldInfo, engine, {rank: hostname}).

@@ -20,6 +20,7 @@ def every_collective() -> None:
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     assert hvd.backend_name() == "mpi"
+    assert hvd.mpi_built() and hvd.mpi_enabled() and hvd.mpi_threads_supported()
     assert hvd.local_size() == n and hvd.local_rank() == r and hvd.cross_size() == 1
     total = n * (n + 1) / 2
     np.testing.assert_allclose(hvd.allreduce(np.full(7, r + 1.0), op=ops.Sum), total)

@@ -58,10 +58,3 @@ def start(config: EngineConfig) -> tuple[WorldInfo, MpiEngine, dict[int, str]]:
     engine = MpiEngine(comm, Negotiation(control, channel, config.timeout), config)
     return info, engine, hosts
 
-
-def create(world, config, data_socks):
-    """Registry factory: the MPI backend forms its own job, it cannot join a TCP mesh."""
-    del world, config, data_socks
-    raise BackendUnavailableError(
-        "the MPI backend runs only in ranks started by mpirun (hvdrun --mpi -np N ...); "
-        "inside Spark or under plain hvdrun, use the tcp backend")
