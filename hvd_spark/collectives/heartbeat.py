@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from hvd_spark.collectives.tcp.store import StoreClient
+from hvd_spark.collectives.tcp.store import StoreClient, UnknownRequestError
 from hvd_spark.errors import HvdSparkError
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,13 @@ class Heartbeat:
         self._generation = 0
         self._aborted_generation = -1
         self._stop = threading.Event()
+        # The first beat goes before init() returns: from then on the launcher watches
+        # this rank, even if it freezes before the thread's first period ends.
+        try:
+            self._client.call(BEAT, worker, 0, timeout=interval)
+        except UnknownRequestError:
+            self._drop_client()
+            self._stop.set()
         self._thread = threading.Thread(target=self._loop, name="hvd-heartbeat", daemon=True)
         self._thread.start()
 
@@ -69,6 +76,10 @@ class Heartbeat:
                     self._client = StoreClient(self._addr, self._secret, period)
                 reason = self._client.call(BEAT, self._worker, generation, timeout=period)
                 last_ok = time.monotonic()
+            except UnknownRequestError:
+                log.debug("the launcher takes no heartbeats; not beating")
+                self._drop_client()
+                return
             except (HvdSparkError, OSError) as exc:
                 if self._stop.is_set():
                     return

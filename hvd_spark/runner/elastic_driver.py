@@ -118,6 +118,7 @@ class ElasticDriver:
         self._waiting: set[str] = set()
         self.lost: dict[str, str] = {}  # worker -> why, in the order they were lost
         self._broken: str | None = None
+        self._broken_by_loss = False
         self._broken_at = 0.0
         self.version = 0
         self._formed_version = 0
@@ -156,7 +157,8 @@ class ElasticDriver:
             self._register(worker, host)
             if worker in self.members and last_generation == self.generation:
                 rank = self.members[worker].rank
-                self._break(f"rank {rank} on {host} left generation {self.generation} to re-form")
+                self._break(f"rank {rank} on {host} left generation {self.generation} to "
+                            "re-form", by_loss=False)
             self._waiting.add(worker)
             if (worker not in self.members and self.generation > 0 and self._broken is None
                     and len(self.members) < self.settings.max_np):
@@ -262,10 +264,14 @@ class ElasticDriver:
         s = self.settings
         return (s.start_timeout if self.generation == 0 else 0.0) + 2 * s.elastic_timeout + 10.0
 
-    def _break(self, reason: str) -> None:
+    def _break(self, reason: str, by_loss: bool = True) -> None:
+        """Mark the current generation broken; a loss's reason beats a rank's leaving,
+        which is usually that loss seen from a survivor a moment earlier."""
         if self._broken is None:
-            self._broken = reason
             self._broken_at = time.monotonic()
+        if self._broken is None or (by_loss and not self._broken_by_loss):
+            self._broken = reason
+            self._broken_by_loss = by_loss
             self._cond.notify_all()
 
     def _lose(self, worker: str, reason: str) -> list[tuple[str, str]]:

@@ -29,9 +29,11 @@ from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.runner import worker
 from hvd_spark.runner.failures import WorkerFailure
+from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
 from hvd_spark.runner.output import OutputForwarder
 
 _TEARDOWN_GRACE_S = 3.0
+DEFAULT_HEARTBEAT_S = 10.0
 _HOST = "localhost"
 
 
@@ -56,12 +58,18 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
+def heartbeat_limit() -> float:
+    """Seconds of silence after which a rank counts as lost (HVD_SPARK_HEARTBEAT_S)."""
+    return _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
+
+
 def rank_env(rank: int, size: int, store_port: int, secret: bytes) -> dict[str, str]:
     """The variables of one local rank: ours, and Horovod's and torch's names for them."""
     return {
         **_env.rank_variables(rank, size, rank, size, 0, 1, socket.gethostname()),
         _env.RENDEZVOUS_ADDR: f"127.0.0.1:{store_port}",
         _env.SECRET: secret.hex(),
+        _env.HEARTBEAT: str(heartbeat_limit()),
         "PYTHONUNBUFFERED": "1",
     }
 
@@ -87,7 +95,9 @@ class LocalJob:
         self.num_proc = num_proc
         self.secret = secrets.token_bytes(32)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self.store = StoreServer(self.secret, "127.0.0.1", {worker.REPORT: self._on_report})
+        self.heartbeats = HeartbeatMonitor(heartbeat_limit(), self._on_silent)
+        self.store = StoreServer(self.secret, "127.0.0.1", {
+            worker.REPORT: self._on_report, BEAT: self.heartbeats.beat})
         self._env = dict(env or {})
         self._output = OutputForwarder(stdout or sys.stdout, stderr or sys.stderr)
         self.procs: list[subprocess.Popen] = []
@@ -95,6 +105,9 @@ class LocalJob:
 
     def _on_report(self, rank: int, status: str, payload: Any) -> None:
         self._events.put(("report", rank, status, payload, time.time()))
+
+    def _on_silent(self, rank: int, seconds: float) -> None:
+        self._events.put(("silent", rank, seconds, None, time.time()))
 
     def start(self, command: Sequence[str]) -> None:
         """Start one process per rank running ``command``."""
@@ -125,13 +138,20 @@ class LocalJob:
                 if torn_down_at is not None and time.time() - torn_down_at > _TEARDOWN_GRACE_S:
                     self._signal_all(signal.SIGKILL)
                 continue
-            if kind == "report":
+            if kind == "silent":
+                failure = WorkerFailure(rank, _HOST, (
+                    f"rank {rank} sent no heartbeat for {a:.0f} s: its process is frozen "
+                    "(stopped, or stuck outside Python) or its host is unreachable"), lost=True)
+                failures.setdefault(rank, failure)
+                self.heartbeats.abort(failure.message)
+            elif kind == "report":
                 if a == "ok":
                     self.results[rank] = b
                 else:
                     failures.setdefault(rank, b)
             else:
                 exited[rank] = a
+                self.heartbeats.forget(rank)
                 unreported = expect_reports and rank not in self.results
                 if rank not in failures and (a != 0 or unreported):
                     failures[rank] = WorkerFailure.from_exit(
@@ -168,6 +188,7 @@ class LocalJob:
             with contextlib.suppress(Exception):
                 proc.wait(5)
         remove_segments(job_tag(self.secret))
+        self.heartbeats.close()
         self.store.close()
 
     def __enter__(self) -> LocalJob:

@@ -35,6 +35,7 @@ from hvd_spark.collectives import (
     start_timeline,
     stop_timeline,
 )
+from hvd_spark.torch import elastic  # noqa: E402 - needs the names above
 from hvd_spark.torch.compression import Compression, Compressor
 from hvd_spark.torch.functions import (
     allgather_object,
@@ -82,6 +83,7 @@ from hvd_spark.torch.optimizer import DistributedOptimizer
 from hvd_spark.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
+    "elastic",
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
     "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min", "ProcessSet", "Product",
     "ReduceOp", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",

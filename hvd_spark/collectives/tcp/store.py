@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 Handler = Callable[..., Any]
 
 
+class UnknownRequestError(HvdSparkError):
+    """The store's launcher does not serve this request kind (an older or simpler launcher)."""
+
+
 class StoreServer:
     """Threaded KV server: one thread per authenticated connection.
 
@@ -123,7 +127,7 @@ class StoreServer:
             return self.get(*args)
         handler = self._handlers.get(kind)
         if handler is None:
-            raise HvdSparkError(f"store has no request kind {kind!r}")
+            raise UnknownRequestError(f"store has no request kind {kind!r}")
         return handler(*args)
 
 
