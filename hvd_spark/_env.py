@@ -49,6 +49,8 @@ TIMELINE_MARK_CYCLES = "HVD_SPARK_TIMELINE_MARK_CYCLES"
 LOG_LEVEL = "HVD_SPARK_LOG_LEVEL"
 IFACE = "HVD_SPARK_IFACE"
 HEARTBEAT = "HVD_SPARK_HEARTBEAT_S"
+# How CUDA tensors travel: nccl (NCCL / CUDA IPC on the device), host (staged), auto.
+GPU_BACKEND = "HVD_SPARK_GPU_BACKEND"
 # hvdrun's launcher when --mpi is not given: "mpi" starts the ranks with mpirun.
 HVDRUN_LAUNCHER = "HVD_SPARK_HVDRUN_LAUNCHER"
 
@@ -105,6 +107,7 @@ HOROVOD_FALLBACKS: dict[str, tuple[str, ...]] = {
     TIMELINE_MARK_CYCLES: ("HOROVOD_TIMELINE_MARK_CYCLES",),
     LOG_LEVEL: ("HOROVOD_LOG_LEVEL",),
     IFACE: ("HOROVOD_GLOO_IFACE",),
+    GPU_BACKEND: ("HOROVOD_GPU_OPERATIONS",),
     ELASTIC_TIMEOUT: ("HOROVOD_ELASTIC_TIMEOUT",),
 }
 
@@ -263,7 +266,7 @@ _CHOICES_WHY = {
 # Settings that always ask for something not there.
 _ALWAYS_WHY = {
     "HOROVOD_THREAD_AFFINITY": "the background thread is not pinned",
-    "HOROVOD_NUM_NCCL_STREAMS": "there is no NCCL backend yet",
+    "HOROVOD_NUM_NCCL_STREAMS": "the NCCL path uses one stream per device",
     "HOROVOD_CCL_CACHE": "there is no oneCCL backend",
     "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "Adasum gathers whole tensors; it is not chunked",
     "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "hvd_spark.run(use_gpu=True) gives each rank its "

@@ -41,7 +41,8 @@ def validate(name: str, requests: dict[int, Request], size: int) -> Response:
     if failed:
         reasons = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
         return _error(first, name, f"collective {name!r} failed on some ranks: {reasons}")
-    for field, what in (("kind", "operation"), ("dtype", "dtype"), ("members", "process set")):
+    for field, what in (("kind", "operation"), ("dtype", "dtype"), ("members", "process set"),
+                        ("device", "device (CPU or GPU)")):
         values = {r: getattr(q, field) for r, q in requests.items()}
         if len(set(values.values())) > 1:
             return _error(first, name, _disagreement(name, what, values))
@@ -234,7 +235,7 @@ class Coordinator:
                     or response.joined or request.op == ReduceOp.Adasum):
                 out.append(response)
                 continue
-            key = (request.dtype, request.op, request.prescale, request.postscale,
+            key = (request.dtype, request.device, request.op, request.prescale, request.postscale,
                    request.members)
             nbytes = request.nbytes
             slot = open_groups.get(key)

@@ -16,12 +16,11 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
-
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives import operations, timeline
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
+from hvd_spark.collectives.nccl import arrays
 from hvd_spark.collectives.operations import Entry, Handle
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.config import EngineConfig
@@ -46,7 +45,8 @@ def _row(name: str, kind: str) -> str:
 
 def _zeros_entry(template) -> Entry:
     """A joined rank's stand-in for an allreduce it never submitted: zeros of that shape."""
-    return Entry(template, Handle(template.name), np.zeros(template.shape, template.dtype))
+    return Entry(template, Handle(template.name),
+                 arrays.zeros(template.shape, template.dtype, template.device))
 
 
 class Engine:

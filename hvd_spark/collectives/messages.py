@@ -38,6 +38,8 @@ class Request:
         error: Set when this rank could not submit the operation (its local checks
             failed): the coordinator fails the operation on every rank with it, so the
             ranks' automatic names stay aligned.
+        device: Where the tensor lives, "cpu" or "cuda": every rank must agree (the
+            bytes take a device path or the host path, never both).
     """
 
     name: str
@@ -51,6 +53,7 @@ class Request:
     splits: tuple[int, ...] | None = None
     members: tuple[int, ...] | None = None
     error: str | None = None
+    device: str = "cpu"
 
     @property
     def nbytes(self) -> int:

@@ -141,7 +141,8 @@ def run_allgather(comm: Communicator, entry: Entry, response: Response) -> Any:
     """Concatenate every rank's tensor along dim 0 (first dims may differ)."""
     first_dims = response.first_dims or ()
     row = math.prod(entry.array.shape[1:])
-    out = np.empty((sum(first_dims),) + entry.array.shape[1:], entry.array.dtype)
+    # empty_like: a device array's output is made on its device (numpy dispatches to cupy).
+    out = np.empty_like(entry.array, shape=(sum(first_dims),) + entry.array.shape[1:])
     counts = [d * row for d in first_dims]
     start = sum(counts[: comm.rank])
     flat = out.reshape(-1)
@@ -162,7 +163,7 @@ def run_alltoall(comm: Communicator, entry: Entry, response: Response) -> Any:
     row = math.prod(entry.array.shape[1:])
     send_counts = [s * row for s in splits[comm.rank]]
     recv_rows = [splits[src][comm.rank] for src in range(comm.size)]
-    out = np.empty((sum(recv_rows),) + entry.array.shape[1:], entry.array.dtype)
+    out = np.empty_like(entry.array, shape=(sum(recv_rows),) + entry.array.shape[1:])
     comm.alltoall(
         entry.array.reshape(-1), send_counts, out.reshape(-1), [r * row for r in recv_rows]
     )

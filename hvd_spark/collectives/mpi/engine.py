@@ -17,13 +17,12 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
-
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives import operations, timeline
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.mpi.communicator import MpiCommunicator
 from hvd_spark.collectives.mpi.negotiation import Negotiation
+from hvd_spark.collectives.nccl import arrays
 from hvd_spark.collectives.operations import Entry, Handle
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import (
@@ -257,7 +256,7 @@ class MpiEngine:
             return
         if len(entries) != len(response.names):
             if self.rank in response.joined and not entries:
-                entries = [Entry(t, Handle(t.name), np.zeros(t.shape, t.dtype))
+                entries = [Entry(t, Handle(t.name), arrays.zeros(t.shape, t.dtype, t.device))
                            for t in response.templates or ()]
             else:
                 raise CollectiveError(f"rank {self.rank} was told to run {response.names} it "
