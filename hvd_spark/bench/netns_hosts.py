@@ -148,7 +148,9 @@ def remove_stale() -> list[str]:
             _sh(["ip", "netns", "del", name], check=False)
             shutil.rmtree(os.path.join(_NETNS_ETC, name), ignore_errors=True)
             removed.append(name)
-            _sh(["ip", "link", "del", f"hvb{owner}"], check=False)
+            for link in os.listdir("/sys/class/net"):
+                if link == f"hvb{owner}" or link.startswith(f"hvb{owner}n"):
+                    _sh(["ip", "link", "del", link], check=False)
     return removed
 
 
@@ -169,17 +171,13 @@ class NetnsHosts:
     Args:
         count: Number of hosts (1..200).
         shape: Rate and delay of every host's link (None: unshaped veth).
-        extra_iface: Also give every host a second, unconnected interface with this
-            name and its own address (to test interface selection).
     """
 
-    def __init__(self, count: int, shape: LinkShape | None = None,
-                 extra_iface: str | None = None) -> None:
+    def __init__(self, count: int, shape: LinkShape | None = None) -> None:
         if not 1 <= count <= 200:
             raise ConfigError(f"hosts must be between 1 and 200, got {count}")
         self.count = count
         self.shape = shape or LinkShape()
-        self.extra_iface = extra_iface
         self.tag = str(os.getpid())
         self.bridge = f"hvb{self.tag}"
         self.namespaces = [f"{NS_PREFIX}{self.tag}-{i}" for i in range(count)]
@@ -187,8 +185,10 @@ class NetnsHosts:
         self.veths = [f"hvv{self.tag}x{i}" for i in range(count)]
         self.bridge_addr = ""
         self.addrs: list[str] = []
-        self.extra_addrs: list[str] = []
+        self._extra_bridges: list[str] = []
+        self.interfaces: dict[str, list[str]] = {}  # added interface -> address per host
         self._started = False
+        self._taken: set[str] = set()
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> NetnsHosts:
@@ -208,11 +208,12 @@ class NetnsHosts:
         return self
 
     def _pick_subnet(self) -> ipaddress.IPv4Network:
-        used = _used_subnets()
+        used = _used_subnets() | self._taken
         first = int(self.tag) % 200
         for k in range(200):
             net = _SUBNET_BASE.format((first + k) % 200 + 20)
             if net not in used:
+                self._taken.add(net)
                 return ipaddress.ip_network(net)
         raise HarnessError("no free 10.213.x.0/24 subnet for the hosts")
 
@@ -255,14 +256,6 @@ class NetnsHosts:
             self._shape(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0",
                          "root", *qdisc])
             self._shape(["tc", "qdisc", "add", "dev", outer, "root", *qdisc])
-        if self.extra_iface:
-            # A dummy interface: it has an address, but nothing on it reaches another host.
-            addr = f"172.31.{i + 1}.1"
-            _sh(["ip", "-n", ns, "link", "add", self.extra_iface, "type", "dummy"])
-            _sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", self.extra_iface])
-            _sh(["ip", "-n", ns, "link", "set", self.extra_iface, "up"])
-            self.extra_addrs.append(addr)
-
     def _shape(self, argv: list[str]) -> None:
         done = _sh(argv, check=False)
         if done.returncode == 0:
@@ -272,6 +265,45 @@ class NetnsHosts:
                 f"cannot add a delay of {self.shape.delay}: this kernel has no netem qdisc "
                 "(sch_netem); shape the bandwidth alone (no delay) or use a kernel with netem")
         raise HarnessError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+
+    def add_network(self, iface: str) -> list[str]:
+        """Join every host to a second bridge through interface ``iface``; its addresses.
+
+        A host then has two interfaces that reach the other hosts (``eth0`` and
+        ``iface``): what interface selection chooses between.
+        """
+        net = self._pick_subnet()
+        hosts = list(net.hosts())
+        bridge = f"hvb{self.tag}n{len(self._extra_bridges) + 1}"
+        _sh(["ip", "link", "add", bridge, "type", "bridge"])
+        self._extra_bridges.append(bridge)
+        _sh(["ip", "link", "set", bridge, "up"])
+        addrs = [str(hosts[10 + i]) for i in range(self.count)]
+        for i, ns in enumerate(self.namespaces):
+            outer = f"hvv{self.tag}n{len(self._extra_bridges)}x{i}"
+            _sh(["ip", "link", "add", outer, "type", "veth", "peer", "name", iface,
+                 "netns", ns])
+            _sh(["ip", "-n", ns, "addr", "add", f"{addrs[i]}/{net.prefixlen}", "dev", iface])
+            _sh(["ip", "-n", ns, "link", "set", iface, "up"])
+            _sh(["ip", "link", "set", outer, "master", bridge])
+            _sh(["ip", "link", "set", outer, "up"])
+        self.interfaces[iface] = addrs
+        return addrs
+
+    def add_dummy(self, iface: str) -> list[str]:
+        """Give every host an interface ``iface`` with an address no other host can reach."""
+        addrs = []
+        for i, ns in enumerate(self.namespaces):
+            addr = f"172.31.{i + 1}.1"
+            # A veth pair with both ends here (some kernels have no dummy interfaces).
+            _sh(["ip", "-n", ns, "link", "add", iface, "type", "veth", "peer", "name",
+                 f"{iface[:12]}p"])
+            _sh(["ip", "-n", ns, "link", "set", f"{iface[:12]}p", "up"])
+            _sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface])
+            _sh(["ip", "-n", ns, "link", "set", iface, "up"])
+            addrs.append(addr)
+        self.interfaces[iface] = addrs
+        return addrs
 
     # ------------------------------------------------------------------ use
     def argv(self, i: int, command: Sequence[str]) -> list[str]:
@@ -316,7 +348,9 @@ class NetnsHosts:
         for veth in self.veths:  # normally gone with their namespace's peer
             if os.path.exists(f"/sys/class/net/{veth}"):
                 _sh(["ip", "link", "del", veth], check=False)
-        _sh(["ip", "link", "del", self.bridge], check=False)
+        for bridge in [self.bridge, *self._extra_bridges]:
+            _sh(["ip", "link", "del", bridge], check=False)
+        self._extra_bridges.clear()
 
     def __enter__(self) -> NetnsHosts:
         return self.start()

@@ -17,6 +17,7 @@ import torch
 from pyspark.ml.feature import VectorAssembler
 
 import hvd_spark
+from hvd_spark.errors import WorkerFailedError
 from hvd_spark.estimator import TorchEstimator
 
 # The executors cannot import this test module: ship its functions by value.
@@ -140,3 +141,48 @@ def test_torch_estimator_fits_across_hosts(cluster, tmp_path):
     rows = fitted.transform(_frame(spark, 200, 1)).select("label", "label__output").collect()
     accuracy = np.mean([int(np.argmax(r["label__output"])) == r["label"] for r in rows])
     assert accuracy > 0.9
+
+
+def _peer_addresses():
+    import hvd_spark.collectives as hvd
+    from hvd_spark.collectives import api
+    from hvd_spark.collectives.tcp.links import TcpLink
+
+    hvd.init()
+    links = api._engine.comm.links.values()
+    return sorted(link.sock.getpeername()[0] for link in links if isinstance(link, TcpLink))
+
+
+@pytest.mark.parametrize("cluster", [(3, 1)], ids=["3hostsx1"], indirect=True)
+def test_the_interface_variable_picks_the_network(cluster):
+    net, _, _ = cluster
+    if "data1" not in net.interfaces:
+        net.add_network("data1")
+    data_addrs = net.interfaces["data1"]
+    for var in ("HVD_SPARK_IFACE", "HOROVOD_GLOO_IFACE"):
+        results = hvd_spark.run(_peer_addresses, num_proc=3, start_timeout=60,
+                                env={var: "data1"})
+        for peers in results:
+            assert len(peers) == 2 and set(peers) <= set(data_addrs), (var, peers)
+    # Without the variable, ranks use the address they reach the driver from (eth0).
+    for peers in hvd_spark.run(_peer_addresses, num_proc=3, start_timeout=60):
+        assert set(peers) <= set(net.addrs)
+
+
+@pytest.mark.parametrize("cluster", [(3, 1)], ids=["3hostsx1"], indirect=True)
+def test_a_wrong_interface_is_a_clear_error(cluster):
+    net, _, _ = cluster
+    if "nowhere0" not in net.interfaces:
+        net.add_dummy("nowhere0")
+    hvd_spark.run(_peer_addresses, num_proc=3, start_timeout=120)  # warm Python workers
+    with pytest.raises(WorkerFailedError) as caught:
+        hvd_spark.run(_peer_addresses, num_proc=3, start_timeout=10,
+                      env={"HVD_SPARK_IFACE": "nowhere0"})
+    # The rank that cannot dial names the peer, its host, the address and the fix.
+    message = str(caught.value)
+    assert "advertised 172.31." in message and "HVD_SPARK_IFACE" in message, message
+    assert "on host hvdhost" in message
+    with pytest.raises(WorkerFailedError,
+                       match=r"HVD_SPARK_IFACE='eth9'.*no such network interface"):
+        hvd_spark.run(_peer_addresses, num_proc=3, start_timeout=30,
+                      env={"HVD_SPARK_IFACE": "eth9"})

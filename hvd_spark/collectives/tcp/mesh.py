@@ -17,7 +17,12 @@ import time
 
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
-from hvd_spark.errors import AuthenticationError, HvdSparkError, RendezvousTimeoutError
+from hvd_spark.errors import (
+    AuthenticationError,
+    HvdSparkError,
+    PeerDisconnectedError,
+    RendezvousTimeoutError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +114,15 @@ class _Acceptor:
                 self._cond.wait(min(left, 1.0))
 
 
+def _unreachable(peer: int, peer_host: str, addr: str, exc: Exception) -> PeerDisconnectedError:
+    # The usual cause on a multi-homed host: the peer advertised the address of an
+    # interface the other hosts cannot reach (or this host cannot).
+    return PeerDisconnectedError(
+        f"{exc}; rank {peer} on host {peer_host} advertised {addr}, which this host cannot "
+        "reach: set HVD_SPARK_IFACE (or HOROVOD_GLOO_IFACE, hvdrun --network-interface) to "
+        "the interface of the network the hosts share, or HVD_SPARK_ADVERTISE_ADDR")
+
+
 def build_mesh(
     rank: int,
     size: int,
@@ -144,9 +158,12 @@ def build_mesh(
         control: dict[int, socket.socket] = {}
         dials = [(DATA, r) for r in range(rank)] + ([(CONTROL, 0)] if rank > 0 else [])
         for purpose, peer in dials:
-            host, port, _ = peers[peer]
+            host, port, peer_host = peers[peer]
             left = max(1.0, deadline - time.monotonic())
-            sock = wire.connect((host, port), secret, left, f"rank {peer}")
+            try:
+                sock = wire.connect((host, port), secret, left, f"rank {peer}")
+            except PeerDisconnectedError as exc:
+                raise _unreachable(peer, peer_host, host, exc) from None
             wire.send_obj(sock, (purpose, rank), f"rank {peer}")
             (data if purpose == DATA else control)[peer] = sock
         acceptor.wait(deadline)
