@@ -1,0 +1,162 @@
+"""Elastic TensorFlow and Keras under the real local elastic launcher (real processes,
+a worker killed with SIGKILL mid-training, a replacement joining)."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import numpy as np
+
+from hvd_spark.runner.elastic_local import run_elastic_local
+
+_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "HVD_SPARK_HEARTBEAT_S": "5", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _custom_loop(steps: int, kill_step: int) -> tuple:
+    """A TensorFlowState loop whose compiled step allreduces (rank + 1): worker 1 dies
+    right after step ``kill_step``; commits every 5 steps."""
+    import signal
+
+    import tensorflow as tf
+
+    import hvd_spark.tensorflow as hvd
+
+    hvd.init()
+    w = tf.Variable(tf.fill([4], float(hvd.rank()) * 100.0))  # sync makes it rank 0's
+    state = hvd.elastic.TensorFlowState([w], step=0, sizes=[])
+    starts = []
+
+    @tf.function
+    def train_step():
+        # Traced once, at the first ring's size; rank_op and Average are read when it runs.
+        mine = tf.cast(hvd.rank_op() + 1, tf.float32) * tf.ones([4])
+        w.assign_add(hvd.allreduce(mine, op=hvd.Average, name="grad"))
+
+    @hvd.elastic.run
+    def train(state):
+        starts.append((state.step, hvd.size()))
+        while state.step < steps:
+            train_step()
+            state.step += 1
+            state.sizes.append(hvd.size())
+            if state.step == kill_step and os.environ["HVD_SPARK_WORKER_ID"] == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state.step % 5 == 0:
+                state.commit()
+        return w.numpy().tolist()
+
+    final = train(state)
+    return hvd.rank(), hvd.size(), state.step, list(state.sizes), starts, final
+
+
+def test_tensorflow_state_custom_loop_continues_from_the_last_commit_after_a_kill():
+    err = io.StringIO()
+    results = run_elastic_local(_custom_loop, args=(30, 12), num_proc=3, min_np=2, max_np=3,
+                                cooldown=None, start_timeout=120, env=_ENV, stderr=err)
+    assert [r[:3] for r in results] == [(0, 2, 30), (1, 2, 30)], err.getvalue()
+    for _, _, _, sizes, starts, final in results:
+        # Steps 1-10 ran with 3 ranks (mean of 1,2,3 is 2); the kill after step 12 lost
+        # steps 11-12, so the survivors restarted from the commit at step 10 with 2 ranks
+        # (mean of 1,2 is 1.5), using the same compiled step.
+        assert sizes == [3] * 10 + [2] * 20
+        assert starts == [(0, 3), (10, 2)]
+        assert final == [10 * 2.0 + 20 * 1.5] * 4
+    assert "exited with code -9" in err.getvalue()
+
+
+def _keras_fit(epochs: int, wait_for_size: int) -> dict:
+    """``model.fit`` with KerasState and the three callbacks; worker 1 dies in epoch 2
+    (after its batch 3, before committing it). With ``wait_for_size``, training goes on
+    past ``epochs`` until the ring has that many ranks again (at most 150 epochs)."""
+    import signal
+
+    import keras
+
+    import hvd_spark.keras as hvd
+
+    hvd.init()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 4)).astype("float32")
+    y = x @ np.array([[1.0], [-2.0], [3.0], [0.5]], "float32")
+    keras.utils.set_random_seed(10 + hvd.rank())  # different starting weights: sync aligns
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.02, momentum=0.5)), "mse")
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+    out: dict = {"starts": [], "epochs": [], "resets": []}
+    state.register_reset_callbacks([lambda: out["resets"].append(hvd.size())])
+    worker = os.environ["HVD_SPARK_WORKER_ID"]
+
+    class Kill(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if state.epoch == 1 and batch == 3 and worker == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if wait_for_size:
+                time.sleep(0.05)  # leave the replacement time to start
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            out["epochs"].append((state.epoch, hvd.size()))
+            if wait_for_size and state.epoch >= epochs and (
+                    hvd.size() >= wait_for_size or state.epoch >= 150):
+                self.model.stop_training = True  # the same decision on every rank
+
+    callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.UpdateBatchStateCallback(state), Kill(),
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=1), Record()]
+
+    @hvd.elastic.run
+    def train(state):
+        out["starts"].append((state.epoch, state.batch, hvd.size()))
+        total = 150 if wait_for_size else epochs
+        # Rank-dependent targets: the ranks agree only if every step averaged gradients.
+        state.model.fit(x, y + hvd.rank(), batch_size=8, shuffle=False, verbose=0,
+                        epochs=total - state.epoch, callbacks=callbacks)
+
+    train(state)
+    out.update(rank=hvd.rank(), size=hvd.size(), epoch=state.epoch, worker=worker,
+               iterations=int(model.optimizer.iterations.numpy()),
+               weights=[np.asarray(w).tolist() for w in model.get_weights()])
+    return out
+
+
+def test_keras_fit_with_the_elastic_callbacks_finishes_all_epochs_after_a_kill():
+    err = io.StringIO()
+    results = run_elastic_local(_keras_fit, args=(4, 0), num_proc=3, min_np=2, max_np=3,
+                                cooldown=None, start_timeout=120, env=_ENV, stderr=err)
+    assert [(r["rank"], r["size"], r["epoch"]) for r in results] == [(0, 2, 4), (1, 2, 4)], (
+        err.getvalue())
+    first, second = results
+    assert first["weights"] == second["weights"]
+    for r in results:
+        assert r["epochs"] == [(1, 3), (2, 2), (3, 2), (4, 2)]
+        assert r["resets"] == [2]
+        (e0, b0, s0), (e1, b1, s1) = r["starts"]
+        assert (e0, b0, s0) == (0, 0, 3)
+        # Restarted in epoch 2 at the last commit (batch 2 or 3, whichever the new rank 0
+        # reached); Keras runs that epoch again in full: 6 steps per epoch.
+        assert (e1, s1) == (1, 2) and b1 in (2, 3), r["starts"]
+        assert r["iterations"] == 6 + (b1 + 1) + 3 * 6
+    assert first["starts"] == second["starts"]
+    assert "exited with code -9" in err.getvalue()
+
+
+def test_keras_replacement_joins_at_a_commit_and_the_ring_grows_back_to_3():
+    err = io.StringIO()
+    results = run_elastic_local(_keras_fit, args=(4, 3), num_proc=3, min_np=2, max_np=3,
+                                cooldown=0.5, start_timeout=120, env=_ENV, stderr=err)
+    assert [(r["rank"], r["size"]) for r in results] == [(0, 3), (1, 3), (2, 3)], (
+        err.getvalue())
+    assert "started worker 3 to replace a lost one" in err.getvalue()
+    assert [r["worker"] for r in results] == ["0", "2", "3"]
+    assert results[0]["weights"] == results[1]["weights"] == results[2]["weights"]
+    assert len({r["iterations"] for r in results}) == 1
+    assert len({r["epoch"] for r in results}) == 1 and 4 <= results[0]["epoch"] < 150
+    newcomer = results[2]
+    assert newcomer["resets"] == [] and len(newcomer["starts"]) == 1
+    assert newcomer["starts"][0][2] == 3
+    for survivor in results[:2]:
+        assert survivor["resets"] == [2, 3]
+        assert [s[2] for s in survivor["starts"]] == [3, 2, 3]
+        assert survivor["starts"][2] == newcomer["starts"][0]  # synced from rank 0
