@@ -516,3 +516,60 @@ def spark_cluster(hosts: int, cores: int = 1, shape: LinkShape | None = None,
             cluster.close()
     finally:
         net.close()
+
+
+class SshServers:
+    """An sshd on every host, accepting one fresh key (for hvdrun -H tests).
+
+    Attributes:
+        identity: Private key file the client passes with ``-i``.
+        client_opts: Extra ssh options for the client (``HVD_SPARK_SSH_OPTS``): no
+            known_hosts file is read or written, so a user's is never touched.
+    """
+
+    client_opts = "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+
+    def __init__(self, hosts: NetnsHosts, workdir: str, port: int = 22) -> None:
+        self.hosts = hosts
+        self.workdir = workdir
+        self.port = port
+        self.identity = os.path.join(workdir, "client_key")
+        self._procs: list[subprocess.Popen] = []
+
+    def start(self, timeout: float = 20.0) -> SshServers:
+        """Make the keys, start the servers and wait until each accepts connections."""
+        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+        if not os.path.exists(sshd):
+            raise HarnessError("sshd is not installed (apt-get install openssh-server)")
+        host_key = os.path.join(self.workdir, "host_key")
+        for key in (host_key, self.identity):
+            _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key])
+        authorized = os.path.join(self.workdir, "authorized_keys")
+        shutil.copy(self.identity + ".pub", authorized)
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
+        for i, addr in enumerate(self.hosts.addrs):
+            options = {"HostKey": host_key, "AuthorizedKeysFile": authorized,
+                       "StrictModes": "no", "PermitRootLogin": "prohibit-password",
+                       "PasswordAuthentication": "no", "UsePAM": "no", "PidFile": "none",
+                       "ListenAddress": f"{addr}:{self.port}", "PrintMotd": "no"}
+            argv = [sshd, "-D", "-e", "-f", "/dev/null"]
+            for key, value in options.items():
+                argv += ["-o", f"{key}={value}"]
+            self._procs.append(self.hosts.popen(
+                i, argv, log_path=os.path.join(self.workdir, f"sshd{i}.log")))
+        deadline = time.monotonic() + timeout
+        for i, addr in enumerate(self.hosts.addrs):
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection(
+                        (addr, self.port), timeout=1.0):
+                    break
+                if time.monotonic() > deadline or self._procs[i].poll() is not None:
+                    raise HarnessError(f"sshd on {self.hosts.hostnames[i]} did not start")
+                time.sleep(0.1)
+        return self
+
+    def close(self) -> None:
+        """Stop every sshd (sessions they started end with them)."""
+        for proc in self._procs:
+            stop(proc)
+        self._procs.clear()

@@ -9,6 +9,7 @@ import sys
 
 from hvd_spark import __version__, _env
 from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
+from hvd_spark.runner import ssh_launcher
 from hvd_spark.runner.elastic_driver import ElasticSettings
 from hvd_spark.runner.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob
 from hvd_spark.runner.local_launcher import run_command
@@ -49,6 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     elastic.add_argument("--cooldown", type=float, default=None,
                          help="seconds after a loss before a replacement starts "
                               f"(default {DEFAULT_COOLDOWN_S:g}; negative: never replace)")
+    ssh_launcher.add_host_arguments(parser)  # -H, --hostfile, ssh, --network-interface
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     args = parser.parse_args(argv)
     if not args.command:
@@ -101,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout is not None:
         env[_env.TIMEOUT] = str(args.timeout)
         env[_env.START_TIMEOUT] = str(args.timeout)
+    if args.nics:
+        env[_env.IFACE] = ",".join(args.nics)
+    if args.hosts or args.hostfile:
+        return _run_hosts(args, env)
     if args.elastic:
         return _run_elastic(args, env)
     if args.mpi:
@@ -110,6 +116,21 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the program vanished or lost its permissions after the check
         print(f"hvdrun: cannot run {args.command[0]}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+    if failures:
+        error = WorkerFailedError(failures)
+        print(f"hvdrun: {error}", file=sys.stderr)
+        return error.root_cause.shell_exit_code()
+    return 0
+
+
+def _run_hosts(args: argparse.Namespace, env: dict[str, str]) -> int:
+    try:
+        failures = ssh_launcher.run_on_hosts(
+            args.command, args.num_proc, ssh_launcher.host_slots_from(args), env,
+            args.ssh_port, args.ssh_identity_file)
+    except ConfigError as exc:
+        print(f"hvdrun: {exc}", file=sys.stderr)
+        return 2
     if failures:
         error = WorkerFailedError(failures)
         print(f"hvdrun: {error}", file=sys.stderr)

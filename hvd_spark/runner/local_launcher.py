@@ -81,6 +81,8 @@ class LocalJob:
         num_proc: Number of ranks.
         env: Extra environment variables for every rank.
         stdout, stderr: Streams receiving the ranks' prefixed output lines.
+        bind_host: Interface the rendezvous store listens on (hosts other than this
+            one need an address they can reach, e.g. "0.0.0.0").
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class LocalJob:
         env: dict[str, str] | None = None,
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
+        bind_host: str = "127.0.0.1",
     ) -> None:
         if not isinstance(num_proc, int) or num_proc < 1:
             raise ConfigError(f"num_proc must be a positive integer, got {num_proc!r}")
@@ -96,12 +99,16 @@ class LocalJob:
         self.secret = secrets.token_bytes(32)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.heartbeats = HeartbeatMonitor(heartbeat_limit(), self._on_silent)
-        self.store = StoreServer(self.secret, "127.0.0.1", {
+        self.store = StoreServer(self.secret, bind_host, {
             worker.REPORT: self._on_report, BEAT: self.heartbeats.beat})
         self._env = dict(env or {})
         self._output = OutputForwarder(stdout or sys.stdout, stderr or sys.stderr)
         self.procs: list[subprocess.Popen] = []
         self.results: dict[int, bytes] = {}
+
+    def host_of(self, rank: int) -> str:
+        """The host rank ``rank`` runs on, as failures name it."""
+        return _HOST
 
     def _on_report(self, rank: int, status: str, payload: Any) -> None:
         self._events.put(("report", rank, status, payload, time.time()))
@@ -139,7 +146,7 @@ class LocalJob:
                     self._signal_all(signal.SIGKILL)
                 continue
             if kind == "silent":
-                failure = WorkerFailure(rank, _HOST, (
+                failure = WorkerFailure(rank, self.host_of(rank), (
                     f"rank {rank} sent no heartbeat for {a:.0f} s: its process is frozen "
                     "(stopped, or stuck outside Python) or its host is unreachable"), lost=True)
                 failures.setdefault(rank, failure)
@@ -155,7 +162,7 @@ class LocalJob:
                 unreported = expect_reports and rank not in self.results
                 if rank not in failures and (a != 0 or unreported):
                     failures[rank] = WorkerFailure.from_exit(
-                        rank, _HOST, a, torn_down=torn_down_at is not None)
+                        rank, self.host_of(rank), a, torn_down=torn_down_at is not None)
             if failures and torn_down_at is None:
                 torn_down_at = time.time()
                 self._signal_all(signal.SIGTERM)
