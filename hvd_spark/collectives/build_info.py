@@ -2,7 +2,8 @@
 
 Ported code branches on these (``if hvd.nccl_built(): ...``), so each tells the
 truth: bytes move over hvd_spark's own TCP ring and shared memory on the CPU, or over
-MPI in ranks started by mpirun when mpi4py is installed.
+MPI in ranks started by mpirun when mpi4py is installed; CUDA buffers over NCCL or
+CUDA IPC when cupy (and NCCL) are installed.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> int:
-    """0: no NCCL backend in this build (Horovod returns NCCL's version number when built)."""
-    return 0
+    """NCCL's version code (e.g. 22105) when CUDA tensors can go through NCCL here (cupy
+    and NCCL load), else 0, as Horovod returns its NCCL version or 0."""
+    from hvd_spark.collectives.nccl import library
+
+    return library.nccl_version()
 
 
 def ddl_built() -> bool:
@@ -63,8 +67,11 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    """False: collectives reduce on the CPU; CUDA tensors are staged through host memory."""
-    return False
+    """True when collectives can work on CUDA device memory here (cupy is installed:
+    NCCL or CUDA IPC, else staging through the host); False on CPU-only installs."""
+    from hvd_spark.collectives.nccl import library
+
+    return library.cupy_installed()
 
 
 def rocm_built() -> bool:

@@ -68,7 +68,19 @@ def resolve(name: str) -> Factory:
             f"unknown collectives backend {name!r}; HVD_SPARK_BACKEND must be one of "
             f"{['auto', *names()]}"
         )
-    return _load(name, target)
+    return _with_device_path(_load(name, target))
+
+
+def _with_device_path(factory: Factory) -> Factory:
+    """The factory, its communicator sending CUDA buffers down a device path (NCCL/IPC)
+    where cupy is installed and HVD_SPARK_GPU_BACKEND is not ``host``."""
+    def create(world: WorldInfo, config: EngineConfig,
+               data_socks: dict[int, socket.socket]) -> Communicator:
+        from hvd_spark.collectives.nccl import device
+
+        return device.wrap(factory(world, config, data_socks), world.hostname)
+
+    return create
 
 
 def _load(name: str, target: str) -> Callable:

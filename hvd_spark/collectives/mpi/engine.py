@@ -19,6 +19,7 @@ from collections import deque
 
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives import operations, timeline
+from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.mpi.communicator import MpiCommunicator
 from hvd_spark.collectives.mpi.negotiation import Negotiation
@@ -52,12 +53,15 @@ class MpiEngine:
         comm: The data communicator.
         negotiation: The control rounds (a communicator of their own).
         config: Fusion, cycle and timeout settings.
+        routed: What runs the operations, when not ``comm`` itself (``comm`` wrapped so
+            device buffers take a device path).
     """
 
     def __init__(self, comm: MpiCommunicator, negotiation: Negotiation,
-                 config: EngineConfig) -> None:
+                 config: EngineConfig, routed: Communicator | None = None) -> None:
         self.rank, self.size = comm.rank, comm.size
-        self.comm = comm
+        self.mpi_comm = comm
+        self.comm = routed or comm
         self.config = config
         self._negotiation = negotiation
         self._coordinator = Coordinator(self.size, config.fusion_threshold) if self.rank == 0 \
@@ -72,7 +76,7 @@ class MpiEngine:
         self._stopping = False
         self._bye_since: dict[int, float] = {}  # rank 0: who said goodbye, when
         self._first_ready: float | None = None
-        self._subcomms: dict[tuple[int, ...], MpiCommunicator] = {}
+        self._subcomms: dict[tuple[int, ...], Communicator] = {}
         self.executed_responses = 0
         self.executed_tensors = 0
         self.cycles = 0
@@ -283,7 +287,7 @@ class MpiEngine:
         for entry, result in zip(entries, results):
             self._complete(entry, result=result)
 
-    def _comm_for(self, members: tuple[int, ...] | None) -> MpiCommunicator:
+    def _comm_for(self, members: tuple[int, ...] | None) -> Communicator:
         if members is None:
             return self.comm
         comm = self._subcomms.get(members)
@@ -314,13 +318,12 @@ class MpiEngine:
             if self._failure is None:
                 self._failure = exc
         # Peers blocked in a round with us must not wait for the timeout.
-        self.comm.channel.send(f"rank {self.rank} failed: {exc}")
+        self.mpi_comm.channel.send(f"rank {self.rank} failed: {exc}")
 
     def _close(self, graceful: bool) -> None:
         if graceful:
-            self.comm.finish()
-        else:
-            self.comm.close()
+            self.mpi_comm.finish()  # nobody waits on us: no abort notices
+        self.comm.close()
         with self._lock:
             if self._failure is None:
                 self._failure = CollectiveError("hvd_spark.collectives was shut down")

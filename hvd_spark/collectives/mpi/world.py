@@ -18,6 +18,7 @@ from hvd_spark.collectives.mpi.communicator import MpiCommunicator
 from hvd_spark.collectives.mpi.engine import MpiEngine
 from hvd_spark.collectives.mpi.negotiation import Negotiation
 from hvd_spark.collectives.mpi.waiting import AbortChannel, wait
+from hvd_spark.collectives.nccl import device
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S, EngineConfig, WorldInfo
 from hvd_spark.errors import BackendUnavailableError
 
@@ -55,6 +56,7 @@ def start(config: EngineConfig) -> tuple[WorldInfo, MpiEngine, dict[int, str]]:
     cross.Free()
     channel = AbortChannel(aborts)
     comm = MpiCommunicator(data, config.timeout, channel)
-    engine = MpiEngine(comm, Negotiation(control, channel, config.timeout), config)
+    engine = MpiEngine(comm, Negotiation(control, channel, config.timeout), config,
+                       routed=device.wrap(comm, hostname))
     return info, engine, hosts
 

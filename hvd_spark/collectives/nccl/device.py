@@ -1,0 +1,143 @@
+"""The communicator the engine sees: host buffers to the host backend, device buffers to
+the device path chosen for this job (NCCL, CUDA IPC, both, or host staging).
+
+The device path forms at the first collective on device buffers, on every rank at the
+same point (the engine runs operations in one order everywhere, and the coordinator
+made the ranks agree that this one is on the GPU): the ranks exchange their (host, GPU)
+over the host communicator, decide with ``selection.plan``, and form NCCL/IPC groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from hvd_spark.collectives import ops
+from hvd_spark.collectives.buffers import SegmentedBuffer
+from hvd_spark.collectives.communicator import Communicator
+from hvd_spark.collectives.nccl import library, selection
+from hvd_spark.collectives.nccl.arrays import is_device
+from hvd_spark.collectives.nccl.exchange import allgather_bytes
+from hvd_spark.collectives.nccl.staging import HostStagingCommunicator
+
+log = logging.getLogger(__name__)
+
+
+def wanted(setting: str | None = None) -> bool:
+    """True when device tensors may take a device path here (cupy is installed and the
+    GPU backend is not ``host``); cheap, imports nothing."""
+    setting = setting or selection.gpu_backend_setting()
+    return setting != selection.HOST and library.cupy_installed()
+
+
+def current_device() -> tuple[int, str]:
+    """This process's current CUDA device: its index and its PCI bus id (unique on a host)."""
+    cp = library.cupy()
+    device = cp.cuda.Device()
+    return device.id, cp.cuda.runtime.deviceGetPCIBusId(device.id)
+
+
+class DeviceAwareCommunicator(Communicator):
+    """Routes each collective by where its buffer lives.
+
+    Args:
+        host: The host backend's communicator (TCP or MPI).
+        hostname: This rank's host name (ranks on one host may share a GPU).
+        setting: ``selection.gpu_backend_setting()``.
+    """
+
+    def __init__(self, host: Communicator, hostname: str, setting: str) -> None:
+        self.host = host
+        self.name = host.name
+        self.rank, self.size = host.rank, host.size
+        self.hostname = hostname
+        self.setting = setting
+        self.plan: selection.DevicePlan | None = None
+        self._device: Communicator | None = None
+        self._staging = HostStagingCommunicator(host)
+
+    # ------------------------------------------------------------------ forming the path
+
+    def device_path(self) -> Communicator:
+        """The device communicator, formed at the first device collective."""
+        if self._device is None:
+            self._device = self._form()
+        return self._device
+
+    def _form(self) -> Communicator:
+        device_id, bus_id = current_device()
+        raw = allgather_bytes(self.host, f"{self.hostname}\n{bus_id}".encode())
+        devices = {r: tuple(b.decode().split("\n", 1)) for r, b in enumerate(raw)}
+        self.plan = plan = selection.plan(self.rank, devices, self.setting,
+                                          nccl_ok=library.nccl_version() > 0)
+        log.info("rank %d: CUDA tensors go by %s (%s)", self.rank, plan.mode, plan.reason)
+        if plan.mode == selection.HOST:
+            return self._staging
+        from hvd_spark.collectives.nccl.communicator import NcclCommunicator
+        from hvd_spark.collectives.nccl.ipc import IpcCommunicator
+
+        if plan.mode == selection.NCCL:
+            return NcclCommunicator.form(self.host, device_id)
+        ipc = IpcCommunicator(self.host.subset(plan.ipc_group), device_id)
+        if plan.mode == "ipc":
+            return ipc
+        from hvd_spark.collectives.nccl.hierarchical import HierarchicalDeviceCommunicator
+
+        leaders_nccl = None
+        if self.rank == plan.leader:
+            leaders_nccl = NcclCommunicator.form(self.host.subset(plan.leaders), device_id)
+        groups = sorted((tuple(r for r in sorted(devices) if devices[r] == devices[lead])
+                         for lead in plan.leaders), key=lambda g: g[0])
+        return HierarchicalDeviceCommunicator(self.host, ipc, leaders_nccl, groups)
+
+    def _route(self, sample: Any) -> Communicator:
+        if not is_device(sample):
+            return self.host
+        from hvd_spark.collectives.nccl.communicator import supports
+
+        if not supports(sample.dtype):
+            return self._staging  # int16/uint16: NCCL has no such type
+        return self.device_path()
+
+    # ------------------------------------------------------------------ the contract
+
+    def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp) -> None:
+        self._route(buf.pieces[0] if buf.pieces else None).allreduce(buf, op)
+
+    def reducescatter(self, buf: SegmentedBuffer, op: ops.ReduceOp, counts: Sequence[int]) -> None:
+        self._route(buf.pieces[0] if buf.pieces else None).reducescatter(buf, op, counts)
+
+    def allgather(self, buf: SegmentedBuffer, counts: Sequence[int]) -> None:
+        self._route(buf.pieces[0] if buf.pieces else None).allgather(buf, counts)
+
+    def broadcast(self, buf: SegmentedBuffer, root: int) -> None:
+        self._route(buf.pieces[0] if buf.pieces else None).broadcast(buf, root)
+
+    def alltoall(self, send: Any, send_counts: Sequence[int], recv: Any,
+                 recv_counts: Sequence[int]) -> None:
+        self._route(send).alltoall(send, send_counts, recv, recv_counts)
+
+    def subset(self, members: Sequence[int]) -> DeviceAwareCommunicator:
+        """A process set's view: its own device path, formed at its first device collective."""
+        return DeviceAwareCommunicator(self.host.subset(members), self.hostname, self.setting)
+
+    def abort(self) -> None:
+        if self._device is not None and self._device is not self._staging:
+            self._device.abort()
+        self.host.abort()
+
+    def close(self) -> None:
+        try:
+            if self._device is not None and self._device is not self._staging:
+                self._device.close()
+        finally:
+            self.host.close()
+
+
+def wrap(host: Communicator, hostname: str) -> Communicator:
+    """``host`` itself where no device path is wanted, else a DeviceAwareCommunicator."""
+    setting = selection.gpu_backend_setting()
+    if not wanted(setting):
+        return host
+    return DeviceAwareCommunicator(host, hostname, setting)
