@@ -1,7 +1,7 @@
 """hvd_spark: Horovod-style distributed deep learning on Apache Spark, in pure Python.
 
-``hvd_spark.run``, ``hvd_spark.run_local`` and ``SparkBackend`` are imported lazily so
-that importing the package costs nothing and pulls in no framework.
+``hvd_spark.run``, ``hvd_spark.run_elastic``, ``hvd_spark.run_local`` and ``SparkBackend``
+are imported lazily so that importing the package costs nothing and pulls in no framework.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["SparkBackend", "__version__", "run", "run_local"]
+__all__ = ["SparkBackend", "__version__", "run", "run_elastic", "run_local"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from hvd_spark.runner.api import run
 
         return run
+    if name == "run_elastic":
+        from hvd_spark.runner.elastic_spark import run_elastic
+
+        return run_elastic
     if name == "SparkBackend":
         from hvd_spark.runner.backend import SparkBackend
 

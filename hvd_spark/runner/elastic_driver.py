@@ -364,8 +364,8 @@ class ElasticDriver:
                     for worker, last in list(self._last_beat.items()):
                         if worker in self._alive and now - last > limit:
                             events += self._lose(worker, (
-                                f"sent no heartbeat for {now - last:.0f} s (its process is frozen "
-                                "or its host is unreachable)"))
+                                f"sent no heartbeat for {now - last:.0f} s (its process or "
+                                "executor died or froze, or its host is unreachable)"))
                 events += self._try_form()
             self._notify_lost(events)
 

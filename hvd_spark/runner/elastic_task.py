@@ -1,0 +1,134 @@
+"""What each Spark task of ``run_elastic`` does: host one elastic worker.
+
+Unlike ``hvd_spark.run``'s barrier tasks, these are ordinary tasks: Spark may lose one
+with its executor and run it again elsewhere, and the others go on. Each task attempt
+is a new worker (id ``<partition>.<attempt>``) that joins the ring at its next
+re-formation. The task starts ``python -m hvd_spark.runner.worker`` with the elastic
+environment, relays its output to the driver, tells the driver how it ended, and never
+fails itself for a worker that failed: the driver decides what a failure means.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from hvd_spark import _env
+from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
+from hvd_spark.collectives.tcp.store import StoreClient
+from hvd_spark.errors import HvdSparkError
+
+# The barrier task's helpers (child start-up, output relay, stop watcher) are reused as is.
+from hvd_spark.runner import spark_task
+
+WORKER_EXIT = "elastic.exit"
+OUTPUT_SCHEMA = "partition long, returncode long"
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticTaskSpec:
+    """What every task of an elastic run receives.
+
+    Attributes:
+        driver_addr: ``host:port`` of the driver's service.
+        secret: The run's secret.
+        start_timeout: Seconds to connect and to form the first ring.
+        elastic_timeout: Seconds to re-form a ring (``HVD_SPARK_ELASTIC_TIMEOUT``).
+        heartbeat_s: Seconds of silence after which a worker counts as lost.
+        env: User variables added to each worker's environment.
+        run_id: Identifies the run in logs.
+    """
+
+    driver_addr: str
+    secret: bytes
+    start_timeout: float
+    elastic_timeout: float
+    heartbeat_s: float
+    env: dict[str, str]
+    run_id: str
+
+    def as_task_spec(self) -> spark_task.TaskSpec:
+        """The barrier task's spec, for the helpers shared with it (stop watcher)."""
+        return spark_task.TaskSpec(self.driver_addr, self.secret, self.start_timeout,
+                                   self.env, False, self.run_id)
+
+
+def worker_env(base: dict[str, str], spec: ElasticTaskSpec, worker: str,
+               host: str) -> dict[str, str]:
+    """The environment of an elastic worker process: no rank, a worker id to join with."""
+    env = {**base, **spec.env}
+    for var in (_env.RANK, _env.SIZE, _env.LOCAL_RANK, _env.LOCAL_SIZE, _env.CROSS_RANK,
+                _env.CROSS_SIZE):
+        env.pop(var, None)
+    env.setdefault(_env.START_TIMEOUT, str(spec.start_timeout))
+    env.update({
+        _env.ELASTIC: "1",
+        _env.WORKER_ID: worker,
+        _env.HOSTNAME: host,
+        _env.RENDEZVOUS_ADDR: spec.driver_addr,
+        _env.SECRET: spec.secret.hex(),
+        _env.RUN_ID: spec.run_id,
+        _env.ELASTIC_TIMEOUT: str(spec.elastic_timeout),
+        _env.HEARTBEAT: str(spec.heartbeat_s),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int) -> int:
+    """Host worker ``<partition>.<attempt>`` until it ends; return its exit code."""
+    host = socket.gethostname()
+    worker = f"{partition}.{attempt}"
+    client = StoreClient(wire.parse_addr(spec.driver_addr), spec.secret, spec.start_timeout)
+    proc: subprocess.Popen | None = None
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hvd_spark.runner.worker"],
+            env=worker_env(dict(os.environ), spec, worker, host),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, preexec_fn=spark_task._die_with_task,
+        )
+        # Output lines carry the partition: the worker's rank changes as the ring re-forms.
+        sender = spark_task._LogSender(client, partition)
+        sender.follow(proc.stdout, proc.stderr)
+        stopped = threading.Event()
+        threading.Thread(target=spark_task._watch_stop, args=(spec.as_task_spec(), proc, stopped),
+                         daemon=True).start()
+        returncode = proc.wait()
+        sender.close(spark_task._DRAIN_S)
+        with contextlib.suppress(HvdSparkError, OSError):
+            client.call(WORKER_EXIT, worker, returncode, timeout=wire.HANDSHAKE_TIMEOUT_S)
+        return returncode
+    finally:
+        if proc is not None:
+            spark_task._kill_group(proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(2.0)
+            if proc.returncode != 0:
+                remove_segments(job_tag(spec.secret))
+        client.close()
+
+
+def arrow_task(spec: ElasticTaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
+    """``mapInArrow`` body (no barrier): one row (partition, returncode) per task."""
+    import pyarrow as pa
+    from pyspark import TaskContext
+
+    for _ in batches:
+        pass
+    context = TaskContext.get()
+    partition = context.partitionId()
+    returncode = run_worker(spec, partition, context.attemptNumber())
+    yield pa.RecordBatch.from_pydict(
+        {"partition": [partition], "returncode": [returncode]},
+        schema=pa.schema([("partition", pa.int64()), ("returncode", pa.int64())]),
+    )

@@ -1,0 +1,127 @@
+"""``hvd_spark.run_elastic`` on real Spark: an executor JVM killed mid-training on
+local-cluster[3,1,1024] costs only the work since the last commit."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import sys
+import threading
+
+import cloudpickle
+import pytest
+
+import hvd_spark
+from hvd_spark.errors import ConfigError, WorkerFailedError
+from tests.conftest import _session
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
+
+STEPS = 120
+
+
+@pytest.fixture(scope="module")
+def spark_three_executors():
+    """Three executor JVMs with one slot each; Spark may retry a lost task."""
+    session = _session("local-cluster[3,1,1024]")
+    yield session
+    session.stop()
+
+
+class KillExecutorAt:
+    """Output stream that kills the executor JVM named by partition 1's line at ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.pattern = re.compile(rf"^\[1\] step {step} size \d+ executor (\d+)", re.M)
+        self.killed: int | None = None
+        self.text = io.StringIO()
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self.text.write(text)
+            match = self.pattern.search(text)
+            if match and self.killed is None:
+                self.killed = int(match.group(1))
+                os.kill(self.killed, signal.SIGKILL)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _executor_pid() -> int:
+    """The executor JVM above this process (walking up the parent processes)."""
+    pid = os.getpid()
+    while pid > 1:
+        with open(f"/proc/{pid}/stat") as stat:
+            parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{parent}/cmdline", "rb") as cmd:
+            if b"CoarseGrainedExecutorBackend" in cmd.read():
+                return parent
+        pid = parent
+    raise RuntimeError("no executor JVM above this process")
+
+
+def _train() -> tuple[int, int, int, float]:
+    import time
+
+    import numpy as np
+
+    import hvd_spark.collectives as hvd
+
+    executor = _executor_pid()
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0, total=0.0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < STEPS:
+            state.total += float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])
+            state.step += 1
+            if state.step % 5 == 0:
+                state.commit()
+                print(f"step {state.step} size {hvd.size()} executor {executor}", flush=True)
+            time.sleep(0.05)
+        return hvd.rank(), hvd.size(), state.step, state.total
+
+    return loop(state)
+
+
+def test_an_executor_killed_mid_training_does_not_end_the_run(spark_three_executors,
+                                                             monkeypatch):
+    monkeypatch.setenv("HVD_SPARK_HEARTBEAT_S", "3")
+    out, err = KillExecutorAt(step=30), io.StringIO()
+    results = hvd_spark.run_elastic(_train, num_proc=3, min_np=2, max_np=3, elastic_timeout=60,
+                                    start_timeout=120, stdout=out, stderr=err)
+    log = err.getvalue()
+    assert out.killed is not None, out.text.getvalue()
+    assert re.search(r"rank \d \(worker 1\.0 on \S+\) lost", log), log
+    assert re.search(r"generation 2: 2 ranks", log), log
+    size = len(results)
+    assert size in (2, 3)  # 3 when Spark's retry of the lost task joined before the end
+    assert [r[:3] for r in results] == [(rank, size, STEPS) for rank in range(size)]
+    # Everyone agrees on the state, and the lost work was redone: every step counted
+    # at least two ranks, at most three.
+    assert len({r[3] for r in results}) == 1
+    assert 2 * STEPS <= results[0][3] <= 3 * STEPS
+
+
+def test_a_bug_in_fn_ends_the_elastic_run_with_its_traceback(spark):
+    def fn():
+        import hvd_spark.collectives as hvd
+
+        hvd.init()
+        if hvd.rank() == 0:
+            raise KeyError("label column")
+        hvd.barrier()
+
+    with pytest.raises(WorkerFailedError, match="KeyError: 'label column'"):
+        hvd_spark.run_elastic(fn, num_proc=2, min_np=1, start_timeout=60)
+
+
+def test_min_np_above_the_task_slots_is_refused_before_starting(spark):
+    with pytest.raises(ConfigError, match="min_np=5"):
+        hvd_spark.run_elastic(lambda: 1, num_proc=5, min_np=5)
