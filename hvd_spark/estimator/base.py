@@ -27,6 +27,7 @@ from hvd_spark.estimator.params import SHARED_PARAMS, KeywordParams, define_para
 from hvd_spark.estimator.persistence import PickledReader, PickledWriter
 from hvd_spark.estimator.train_spec import TrainSpec, batch_shape
 from hvd_spark.runner.backend import Backend, SparkBackend
+from hvd_spark.runner.console import verbose_logging
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
                               f"({len(labels)}), got {shapes!r}")
         return [batch_shape(s, "label_shapes") for s in shapes]
 
-    def _backend(self, stdout: Any = None) -> Backend:
+    def _backend(self, progress: Any = None) -> Backend:
         """The user's backend, or a SparkBackend of ``num_proc`` ranks (Horovod's rule)."""
         backend, num_proc = self.value("backend"), self.value("num_proc")
         if backend is not None and num_proc is not None:
@@ -160,10 +161,10 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
                               "given: set num_proc on the backend (SparkBackend(num_proc=...))")
         use_gpu = None if self.value("use_gpu") else False
         if backend is None:
-            return SparkBackend(num_proc, verbose=self.value("verbose"), stdout=stdout,
+            return SparkBackend(num_proc, verbose=self.value("verbose"), progress=progress,
                                 use_gpu=use_gpu)
         if isinstance(backend, SparkBackend):
-            return backend.with_options(stdout=stdout, use_gpu=use_gpu)
+            return backend.with_options(progress=progress, use_gpu=use_gpu)
         if not (callable(getattr(backend, "run", None))
                 and callable(getattr(backend, "num_processes", None))):
             raise ConfigError(f"backend must be a Backend (run and num_processes methods), "
@@ -182,6 +183,10 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
     # ---------------------------------------------------------------- fit
 
     def _fit(self, df):
+        with verbose_logging(self.value("verbose")):
+            return self._fit_df(df)
+
+    def _fit_df(self, df):
         from hvd_spark.data import writer
 
         self._check_params()
@@ -242,6 +247,10 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         """
         if params:
             return self.copy(params).fit_on_parquet(dataset_idx=dataset_idx)
+        with verbose_logging(self.value("verbose")):
+            return self._fit_stored(dataset_idx)
+
+    def _fit_stored(self, dataset_idx: Any) -> HvdModel:
         self._check_params()
         store = self._store()
         dataset = _stored_dataset(store, dataset_idx, self.value("feature_cols"),
@@ -288,14 +297,16 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             mp_start_method=self.value("mp_start_method"),
             extra=self._extra(),
         )
-        stdout = None
-        if self.value("verbose") >= 1 and progress.in_notebook():
-            stdout = progress.NotebookProgress(spec.epochs)
-        backend = self._backend(stdout)
+        bars = progress.TrainingProgress(spec.epochs) if self.value("verbose") >= 1 else None
+        backend = self._backend(bars)
         if payload is None:
             payload = self._checked_payload()
-        results = backend.run(self._worker(), args=(spec, payload),
-                              env=self._worker_env())
+        try:
+            results = backend.run(self._worker(), args=(spec, payload),
+                                  env=self._worker_env())
+        finally:
+            if bars is not None:
+                bars.close()
         return self._make_model(results[0], run_id)
 
     def _resume_epoch(self, store: Store, run_id: str) -> int:

@@ -1,9 +1,11 @@
-"""Per-epoch metrics: accumulate on a rank, average over ranks, report on the driver."""
+"""Per-epoch metrics: accumulate on a rank, average over ranks, report to the driver."""
 
 from __future__ import annotations
 
 import sys
 from typing import Any
+
+from hvd_spark.runner import progress_events
 
 
 def accumulate(sums: dict[str, float], name: str, value: float) -> None:
@@ -36,13 +38,34 @@ def average_over_ranks(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(record: dict[str, Any], epochs: int, verbose: int) -> None:
-    """Write one line per epoch on rank 0's stdout.
-
-    This is the progress channel: hvd_spark.run forwards the line live to the driver
-    (and so to a notebook cell), prefixed with the rank.
-    """
+    """Rank 0's end of an epoch: an ``epoch`` progress event to the driver, which keeps it
+    as one line under its progress bar; without a driver that takes events (``hvdrun``),
+    one ``epoch e/epochs: metrics`` line on stdout instead."""
     if verbose < 1:
         return
-    metrics = ", ".join(f"{k}={v:.4f}" for k, v in record.items() if k != "epoch")
-    sys.stdout.write(f"epoch {record['epoch']}/{epochs}: {metrics}\n")
+    metrics = {k: v for k, v in record.items() if k != "epoch"}
+    if progress_events.send(0, {"kind": "epoch", "epoch": record["epoch"], "epochs": epochs,
+                                "metrics": metrics}):
+        return
+    text = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+    sys.stdout.write(f"epoch {record['epoch']}/{epochs}: {text}\n")
     sys.stdout.flush()
+
+
+def step(verbose: int, epoch: int, step_done: int, steps: int | None, loss: float,
+         samples: int, elapsed: float) -> None:
+    """Rank 0 after a training step: a (rate-limited) ``step`` event for the driver's bar.
+
+    Args:
+        verbose: The fit's verbosity; below 1 nothing is sent.
+        epoch: The epoch, counted from 1.
+        step_done: Steps finished in this epoch.
+        steps: Steps per epoch, when known.
+        loss: The epoch's running mean loss on rank 0.
+        samples: Rows trained on in this epoch, over all ranks.
+        elapsed: Seconds since the epoch started.
+    """
+    if verbose >= 1:
+        progress_events.send(0, {"kind": "step", "epoch": epoch, "step": step_done,
+                                 "steps": steps, "loss": loss, "samples": samples,
+                                 "elapsed": elapsed})

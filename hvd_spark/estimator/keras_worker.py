@@ -14,6 +14,7 @@ import math
 import os
 import pickle
 import tempfile
+import time
 from typing import Any
 
 import cloudpickle
@@ -225,9 +226,22 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
                 check_loss(float(logs["loss"]), self.epoch, batch, spec,
                            reader.steps_per_epoch, hvd.rank())
 
+    class StepProgress(keras.callbacks.Callback):
+        """Rank 0 sends step events for the driver's progress bar (fit's own is off)."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch_started = (epoch + 1, time.monotonic())
+
+        def on_train_batch_end(self, batch, logs=None):
+            epoch, started = self.epoch_started
+            hist.step(spec.verbose, epoch, batch + 1, reader.steps_per_epoch,
+                      float((logs or {}).get("loss", 0.0)),
+                      (batch + 1) * spec.batch_size * hvd.size(), time.monotonic() - started)
+
+    progress = [StepProgress()] if hvd.rank() == 0 and spec.verbose >= 1 else []
     with tempfile.TemporaryDirectory(prefix="hvd_spark_keras_") as workdir:
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), FiniteLoss(),
-                     hvd.callbacks.MetricAverageCallback(), EpochEnd(),
+                     hvd.callbacks.MetricAverageCallback(), EpochEnd(), *progress,
                      *_user_callbacks(keras, payload, hvd.rank(), spec, workdir)]
         if spec.start_epoch < spec.epochs:
             model.fit(_forever(reader, spec.start_epoch, to_xy), epochs=spec.epochs,

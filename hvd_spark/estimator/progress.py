@@ -1,14 +1,18 @@
-"""Live training progress on the driver: the ranks' lines as they come, and in a Jupyter
-notebook also a progress bar that updates in place."""
+"""Live training progress on the driver, drawn from the ranks' structured events.
+
+Rank 0's training loop sends ``step`` events (rate-limited) and one ``epoch`` event per
+epoch through the run's driver service (``hvd_spark.runner.progress_events``).
+``TrainingProgress`` draws one tqdm bar per epoch: steps done, ETA, the running loss
+and samples/s while it runs; when the epoch ends its bar stays as one line with the
+epoch's metrics. In Jupyter with ipywidgets the bar is a widget, elsewhere text
+(what ``tqdm.auto`` picks, without its warning when ipywidgets is missing).
+"""
 
 from __future__ import annotations
 
-import re
 import sys
+import threading
 from typing import IO, Any
-
-_EPOCH = re.compile(r"^\[0\] epoch (\d+)/(\d+): (.*)$")
-_WIDTH = 30
 
 
 def in_notebook() -> bool:
@@ -17,36 +21,89 @@ def in_notebook() -> bool:
     return type(shell).__name__ == "ZMQInteractiveShell"
 
 
-def render(epoch: int, epochs: int, metrics: str) -> str:
-    """``[#########.....] 3/8 epochs  loss=...``."""
-    done = int(_WIDTH * epoch / max(epochs, 1))
-    return f"[{'#' * done}{'.' * (_WIDTH - done)}] {epoch}/{epochs} epochs  {metrics}"
+def _bar_class(file: IO[str] | None) -> Any:
+    if file is None and in_notebook():
+        try:
+            import ipywidgets  # noqa: F401 - tqdm.notebook needs it
+            from tqdm.notebook import tqdm
+
+            return tqdm
+        except ImportError:
+            pass
+    from tqdm.std import tqdm
+
+    return tqdm
 
 
-class NotebookProgress:
-    """A text stream for ``hvd_spark.run(stdout=...)``: passes every line through and
-    redraws one progress bar (an in-place display) from rank 0's epoch lines.
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """``loss=0.3120, val_loss=0.2981`` (numbers only, in the order given)."""
+    return ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()
+                     if isinstance(v, (int, float)) and k != "epoch")
+
+
+class TrainingProgress:
+    """Receives ``(rank, event)`` from ``hvd_spark.run(progress=...)`` and draws the bars.
 
     Args:
-        epochs: Total epochs of the fit.
-        passthrough: Where the lines go (the cell's output).
+        epochs: Epochs of the whole fit (the bars are titled ``epoch e/epochs``).
+        file: Where text bars go; default stderr (or a widget in Jupyter).
+
+    Attributes:
+        epoch_lines: One ``epoch e/epochs: metrics`` string per finished epoch.
     """
 
-    def __init__(self, epochs: int, passthrough: IO[str] | None = None) -> None:
-        from IPython.display import display
+    def __init__(self, epochs: int, file: IO[str] | None = None) -> None:
+        self.epochs = epochs
+        self.epoch_lines: list[str] = []
+        self._file = file
+        self._cls = _bar_class(file)
+        self._bar: Any = None
+        self._epoch: int | None = None
+        self._steps: int | None = None
+        self._lock = threading.Lock()
 
-        self._out = passthrough or sys.stdout
-        self._handle: Any = display(render(0, epochs, "starting"), display_id=True)
-        self.last = ""
+    def __call__(self, rank: int, event: dict[str, Any]) -> None:
+        with self._lock:
+            kind = event.get("kind")
+            if kind == "step":
+                self._on_step(event)
+            elif kind == "epoch":
+                self._on_epoch(event)
 
-    def write(self, text: str) -> int:
-        for line in text.splitlines():
-            match = _EPOCH.match(line)
-            if match:
-                self.last = render(int(match.group(1)), int(match.group(2)), match.group(3))
-                self._handle.update(self.last)
-        self._out.write(text)
-        return len(text)
+    def _open(self, epoch: int, steps: int | None) -> None:
+        self._close_bar()
+        self._epoch = epoch
+        self._steps = steps = steps or self._steps  # every epoch has as many steps
+        kwargs: dict[str, Any] = {"file": self._file} if self._file is not None else {}
+        self._bar = self._cls(total=steps, desc=f"epoch {epoch}/{self.epochs}", unit="step",
+                              leave=True, dynamic_ncols=self._file is None,
+                              mininterval=0, **kwargs)  # events come rate-limited
 
-    def flush(self) -> None:
-        self._out.flush()
+    def _on_step(self, event: dict[str, Any]) -> None:
+        if self._bar is None or self._epoch != event["epoch"]:
+            self._open(event["epoch"], event.get("steps"))
+        postfix = {"loss": f"{event['loss']:.4f}"}
+        if event.get("elapsed"):
+            postfix["samples/s"] = f"{event['samples'] / event['elapsed']:.0f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(max(event["step"] - self._bar.n, 0))  # redraws
+
+    def _on_epoch(self, event: dict[str, Any]) -> None:
+        epoch, metrics = event["epoch"], format_metrics(event["metrics"])
+        if self._bar is None or self._epoch != epoch:
+            self._open(epoch, event.get("steps"))
+        self._bar.set_postfix_str(metrics, refresh=False)
+        if self._bar.total:
+            self._bar.update(self._bar.total - self._bar.n)
+        self._close_bar()
+        self.epoch_lines.append(f"epoch {epoch}/{self.epochs}: {metrics}")
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()  # leave=True: the line stays
+            self._bar = None
+
+    def close(self) -> None:
+        """Close a bar left open (a failed run)."""
+        with self._lock:
+            self._close_bar()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -220,7 +221,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     def train_epoch(epoch) -> dict:
         sums: dict[str, float] = {}
         model.train()
-        steps = 0
+        steps, rows, started = 0, 0, time.monotonic()
         for step, batch in enumerate(reader.epoch(epoch)):
             inputs, labels, row_weights = prepare(batch)
             run = minibatch or default_minibatch
@@ -233,6 +234,10 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             with torch.no_grad():
                 add_metrics(sums, outputs, labels)
             steps += 1
+            rows += len(labels[0]) * hvd.size()  # every rank trains on equal batches
+            if hvd.rank() == 0:
+                hist.step(spec.verbose, epoch + 1, steps, reader.steps_per_epoch,
+                          sums["loss"] / steps, rows, time.monotonic() - started)
         return {k: v / max(steps, 1) for k, v in sums.items()}
 
     def val_epoch(epoch) -> dict:

@@ -9,7 +9,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import IO
+from typing import IO, Any
 
 import cloudpickle
 
@@ -17,6 +17,7 @@ from hvd_spark import _env
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S
 from hvd_spark.errors import ConfigError
 from hvd_spark.runner import spark_launcher, worker
+from hvd_spark.runner.console import verbose_logging
 from hvd_spark.runner.driver_service import DriverService
 from hvd_spark.runner.local_launcher import pickle_job
 from hvd_spark.runner.output import OutputForwarder
@@ -112,6 +113,7 @@ def run(
     executable: str | None = None,
     use_mpi: bool | None = None,
     use_gloo: bool | None = None,
+    progress: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks; results in rank order.
 
@@ -138,6 +140,9 @@ def run(
             apply and are ignored with one log line each: there is no MPI launcher
             under Spark, and the ranks run in their task's Python
             (``spark.pyspark.python``).
+        progress: Receives the structured progress events that training loops send
+            (``hvd_spark.runner.progress_events.send``) as ``(rank, event)``, on a
+            thread of the driver service; the Estimators draw them as a progress bar.
 
     Returns:
         ``fn``'s return values, index = rank.
@@ -154,7 +159,7 @@ def run(
     return run_with_report(
         fn, args=args, kwargs=kwargs, num_proc=num_proc, start_timeout=start_timeout, env=env,
         stdout=stdout, stderr=stderr, verbose=verbose, use_gpu=use_gpu,
-        prefix_output_with_timestamp=prefix_output_with_timestamp,
+        prefix_output_with_timestamp=prefix_output_with_timestamp, progress=progress,
     ).results
 
 
@@ -170,11 +175,23 @@ def run_with_report(
     verbose: int = 1,
     use_gpu: bool | None = None,
     prefix_output_with_timestamp: bool = False,
+    progress: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> RunReport:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, with timings.
 
     Same as ``run`` but returns a ``RunReport`` (results, hosts, timings).
     """
+    with verbose_logging(verbose):
+        return _run_with_report(fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr,
+                                verbose, use_gpu, prefix_output_with_timestamp, progress)
+
+
+def _run_with_report(
+    fn: Callable, args: Sequence, kwargs: dict | None, num_proc: int | None,
+    start_timeout: float | None, env: dict[str, str] | None, stdout: IO[str] | None,
+    stderr: IO[str] | None, verbose: int, use_gpu: bool | None,
+    prefix_output_with_timestamp: bool, progress: Callable[[int, dict[str, Any]], None] | None,
+) -> RunReport:
     payload = pickle_job(fn, args, kwargs)
     user_env = _check_env(env)
     timeout = _start_timeout(start_timeout)
@@ -191,7 +208,8 @@ def run_with_report(
                              timestamps=prefix_output_with_timestamp)
     secret = secrets.token_bytes(32)
     started = time.monotonic()
-    with DriverService(num_proc, secret, bind_host, advertise_host, output) as service:
+    with DriverService(num_proc, secret, bind_host, advertise_host, output,
+                       progress=progress) as service:
         service.set(worker.FN_KEY, payload)
         spec = TaskSpec(service.addr, secret, timeout, user_env, gpu, uuid.uuid4().hex[:12])
         launch = spark_launcher.SparkLaunch(spark, service, spec, timeout)

@@ -8,9 +8,11 @@ one queue the launcher consumes.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hvd_spark.collectives.tcp.store import StoreServer
@@ -18,6 +20,7 @@ from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import worker
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.output import OutputForwarder
+from hvd_spark.runner.progress_events import PROGRESS
 from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks
 
 REGISTER = "register"
@@ -25,6 +28,8 @@ LOG = "log"
 EXIT = "exit"
 TASK_ERROR = "task_error"
 STOP_KEY = "stop"
+
+log = logging.getLogger("hvd_spark.runner")
 
 
 class DriverService:
@@ -36,6 +41,7 @@ class DriverService:
         bind_host: Interface to listen on.
         advertise_host: Address tasks dial to reach this service.
         output: Where the ranks' output lines go.
+        progress: Receives the ranks' progress events ``(rank, event dict)``; None drops them.
     """
 
     def __init__(
@@ -45,12 +51,14 @@ class DriverService:
         bind_host: str,
         advertise_host: str,
         output: OutputForwarder,
+        progress: Callable[[int, dict], None] | None = None,
     ) -> None:
         self.num_proc = num_proc
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.first_registered_at: float | None = None
         self.all_registered_at: float | None = None
         self._output = output
+        self._progress = progress
         self._advertise_host = advertise_host
         self._cond = threading.Condition()
         self._slots: dict[int, TaskSlot] = {}
@@ -58,6 +66,7 @@ class DriverService:
         self._stopped = False
         self.server = StoreServer(secret, bind_host, {
             REGISTER: self._on_register,
+            PROGRESS: self._on_progress,
             LOG: self._on_log,
             worker.REPORT: self._on_report,
             EXIT: self._on_exit,
@@ -102,6 +111,9 @@ class DriverService:
             if len(self._slots) == self.num_proc:
                 self._assignment = assign_ranks(list(self._slots.values()))
                 self.all_registered_at = now
+                log.info("hvd_spark.run: ranks assigned: %s", ", ".join(
+                    f"{i.rank} on {i.host} (local {i.local_rank})" for i in
+                    sorted(self._assignment.values(), key=lambda i: i.rank)))
                 self._cond.notify_all()
             deadline = time.monotonic() + timeout
             while self._assignment is None and not self._stopped:
@@ -118,6 +130,13 @@ class DriverService:
     def _on_log(self, rank: int, lines: list[tuple[str, str]]) -> None:
         for stream, line in lines:
             self._output.write(rank, stream, line)
+
+    def _on_progress(self, rank: int, event: dict) -> None:
+        if self._progress is not None and event.get("kind") != "hello":
+            try:
+                self._progress(rank, event)
+            except Exception:  # noqa: BLE001 - drawing must never fail the run
+                log.debug("progress display failed", exc_info=True)
 
     def _on_report(self, rank: int, status: str, payload: Any) -> None:
         self.events.put(("report", rank, (status, payload)))
