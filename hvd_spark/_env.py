@@ -48,6 +48,7 @@ TIMELINE = "HVD_SPARK_TIMELINE"
 TIMELINE_MARK_CYCLES = "HVD_SPARK_TIMELINE_MARK_CYCLES"
 LOG_LEVEL = "HVD_SPARK_LOG_LEVEL"
 IFACE = "HVD_SPARK_IFACE"
+HIERARCHICAL_ALLREDUCE = "HVD_SPARK_HIERARCHICAL_ALLREDUCE"
 HEARTBEAT = "HVD_SPARK_HEARTBEAT_S"
 # How CUDA tensors travel: nccl (NCCL / CUDA IPC on the device), host (staged), auto.
 GPU_BACKEND = "HVD_SPARK_GPU_BACKEND"
@@ -107,6 +108,7 @@ HOROVOD_FALLBACKS: dict[str, tuple[str, ...]] = {
     TIMELINE_MARK_CYCLES: ("HOROVOD_TIMELINE_MARK_CYCLES",),
     LOG_LEVEL: ("HOROVOD_LOG_LEVEL",),
     IFACE: ("HOROVOD_GLOO_IFACE",),
+    HIERARCHICAL_ALLREDUCE: ("HOROVOD_HIERARCHICAL_ALLREDUCE",),
     GPU_BACKEND: ("HOROVOD_GPU_OPERATIONS",),
     ELASTIC_TIMEOUT: ("HOROVOD_ELASTIC_TIMEOUT",),
 }
@@ -239,8 +241,6 @@ _BUILD_PREFIXES = (
 )
 # Flags that are harmless when off (they ask for what this package does anyway).
 _FLAGS_WHY = {
-    "HOROVOD_HIERARCHICAL_ALLREDUCE": "hierarchical allreduce is not implemented (one ring; "
-                                      "shared memory between ranks on a host)",
     "HOROVOD_HIERARCHICAL_ALLGATHER": "hierarchical allgather is not implemented",
     "HOROVOD_TORUS_ALLREDUCE": "torus allreduce is not implemented",
     "HOROVOD_AUTOTUNE": "autotuning is not implemented; set HVD_SPARK_FUSION_THRESHOLD and "

@@ -37,7 +37,8 @@ def test_honoured_launcher_and_build_variables_are_not_reported():
         "HOROVOD_SECRET_KEY": "x", "HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_WITH_PYTORCH": "1",
         "HOROVOD_WITHOUT_MPI": "1", "HOROVOD_NCCL_HOME": "/usr",
         # Flags asking for what hvd_spark does anyway, and the one controller it has.
-        "HOROVOD_HIERARCHICAL_ALLREDUCE": "0", "HOROVOD_AUTOTUNE": "0",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_HIERARCHICAL_ALLGATHER": "0",
+        "HOROVOD_AUTOTUNE": "0",
         "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "GLOO",
         "HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_TIMEOUT": "60",
         "PATH": "/bin",
@@ -47,31 +48,31 @@ def test_honoured_launcher_and_build_variables_are_not_reported():
 
 def test_settings_that_cannot_be_honoured_are_reported_with_why():
     environ = {
-        "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "1", "HOROVOD_AUTOTUNE": "1",
         "HOROVOD_AUTOTUNE_LOG": "/tmp/a.csv", "HOROVOD_CPU_OPERATIONS": "ccl",
         "HOROVOD_THREAD_AFFINITY": "0,1",
         "HOROVOD_FUSION_THRESHOL": "1",  # a typo
     }
     found = _env.unsupported_horovod_vars(environ)
     assert sorted(found) == sorted(environ)
-    assert "hierarchical" in found["HOROVOD_HIERARCHICAL_ALLREDUCE"]
+    assert "hierarchical" in found["HOROVOD_HIERARCHICAL_ALLGATHER"]
     assert "autotuning" in found["HOROVOD_AUTOTUNE_LOG"]
     assert "typo" in found["HOROVOD_FUSION_THRESHOL"]
 
 
 def test_one_warning_names_them_once_per_process(monkeypatch, caplog):
-    monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "1")
+    monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLGATHER", "1")
     monkeypatch.setenv("HOROVOD_TORUS_ALLREDUCE", "1")
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1024")
     with caplog.at_level(logging.WARNING, logger="hvd_spark"):
         first = _env.warn_unsupported_horovod_vars()
         second = _env.warn_unsupported_horovod_vars()
-    assert sorted(first) == ["HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_TORUS_ALLREDUCE"]
+    assert sorted(first) == ["HOROVOD_HIERARCHICAL_ALLGATHER", "HOROVOD_TORUS_ALLREDUCE"]
     assert second == first
     records = [r for r in caplog.records if r.name == "hvd_spark"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
     message = records[0].getMessage()
-    assert "HOROVOD_HIERARCHICAL_ALLREDUCE='1'" in message and "HOROVOD_TORUS_ALLREDUCE" in message
+    assert "HOROVOD_HIERARCHICAL_ALLGATHER='1'" in message and "HOROVOD_TORUS_ALLREDUCE" in message
     assert "HOROVOD_FUSION_THRESHOLD" not in message
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hvd_spark import _env
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.collectives.communicator import Communicator
@@ -122,7 +123,12 @@ class TcpCommunicator(Communicator):
                 pass
 
 
-def create(world, config, data_socks: dict[int, socket.socket]) -> TcpCommunicator:
-    """Registry factory: a TcpCommunicator over the mesh's data sockets."""
-    return TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm,
+def create(world, config, data_socks: dict[int, socket.socket]) -> Communicator:
+    """Registry factory: a TcpCommunicator over the mesh's data sockets, hierarchical
+    for all-reduce where the hosts allow (see ``hierarchical``)."""
+    from hvd_spark.collectives.tcp.hierarchical import maybe_hierarchical
+
+    flat = TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm,
                            shm_tag=job_tag(world.secret))
+    setting = _env.get_str(_env.HIERARCHICAL_ALLREDUCE)
+    return maybe_hierarchical(flat, world, None if setting is None else _env.is_true(setting))
