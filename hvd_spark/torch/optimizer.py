@@ -19,6 +19,7 @@ import torch
 from hvd_spark import collectives as C
 from hvd_spark.collectives.ops import ReduceOp
 from hvd_spark.errors import ConfigError
+from hvd_spark.torch import device_path
 from hvd_spark.torch import tensor_ops as T
 from hvd_spark.torch.compression import Compression, Compressor
 from hvd_spark.torch.cuda_staging import CudaStager
@@ -148,6 +149,14 @@ class _DistributedOptimizer:
             for handle, (p, grad, wire, ctx, _) in zip(handles, cpu_items):
                 self._hvd_handles[p] = (handle, grad, wire, ctx)
         for items in by_device.values():
+            if device_path.usable([wire for _, _, wire, _, _ in items]):
+                # NCCL / CUDA IPC: the gradients never leave the GPU.
+                handles = device_path.allreduce_many_async_(
+                    [wire for _, _, wire, _, _ in items], [n for *_, n in items],
+                    self._hvd_op, prescale, postscale, self._hvd_process_set)
+                for handle, (p, grad, wire, ctx, _) in zip(handles, items):
+                    self._hvd_handles[p] = (handle, grad, wire, ctx)
+                continue
             if self._hvd_stager is None:
                 self._hvd_stager = CudaStager()
             handles = self._hvd_stager.allreduce_async_(

@@ -152,6 +152,12 @@ def allreduce_async(
 ) -> TorchHandle:
     """Start an out-of-place allreduce; the result is a new tensor on ``tensor``'s device."""
     _checked(tensor, "allreduce", "allreduce", name, process_set)
+    if tensor.is_cuda:
+        from hvd_spark.torch import device_path
+
+        if device_path.usable([tensor]):  # NCCL / CUDA IPC: no host copy
+            return device_path.allreduce_async(tensor, name, op, prescale_factor,
+                                               postscale_factor, process_set, in_place=False)
     handle = C.allreduce_async(as_numpy(_cpu(tensor)), name, op, prescale_factor,
                                postscale_factor, process_set)
     return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
@@ -164,6 +170,12 @@ def allreduce_async_(
 ) -> TorchHandle:
     """Start an in-place allreduce: ``tensor`` receives the result (no copy on CPU)."""
     _checked(tensor, "allreduce_", "allreduce", name, process_set)
+    if tensor.is_cuda:
+        from hvd_spark.torch import device_path
+
+        if device_path.usable([tensor]):
+            return device_path.allreduce_async(tensor, name, op, prescale_factor,
+                                               postscale_factor, process_set, in_place=True)
     cpu, finish = _in_place_target(tensor)
     handle = C.allreduce_async_(as_numpy(cpu), name, op, prescale_factor, postscale_factor,
                                 process_set)
@@ -210,6 +222,11 @@ def allgather_async(tensor: torch.Tensor, name: str | None,
                     process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start concatenating every rank's tensor along dim 0."""
     _checked(tensor, "allgather", "allgather", name, process_set)
+    if tensor.is_cuda:
+        from hvd_spark.torch import device_path
+
+        if device_path.usable([tensor]):
+            return device_path.allgather_async(tensor, name, process_set)
     handle = C.allgather_async(as_numpy(_cpu(tensor)), name, process_set)
     return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
 
@@ -226,6 +243,12 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
                     process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start broadcasting root's tensor; the result is a new tensor."""
     _checked(tensor, "broadcast", "broadcast", name, process_set)
+    if tensor.is_cuda:
+        from hvd_spark.torch import device_path
+
+        if device_path.usable([tensor]):
+            return device_path.broadcast_async(tensor, root_rank, name, process_set,
+                                               in_place=False)
     handle = C.broadcast_async(as_numpy(_cpu(tensor)), root_rank, name, process_set)
     return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
 
@@ -234,6 +257,12 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None,
                      process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start an in-place broadcast into ``tensor``."""
     _checked(tensor, "broadcast_", "broadcast", name, process_set)
+    if tensor.is_cuda:
+        from hvd_spark.torch import device_path
+
+        if device_path.usable([tensor]):
+            return device_path.broadcast_async(tensor, root_rank, name, process_set,
+                                               in_place=True)
     cpu, finish = _in_place_target(tensor)
     handle = C.broadcast_async_(as_numpy(cpu), root_rank, name, process_set)
     return TorchHandle([handle], _single(finish))

@@ -16,7 +16,7 @@ from typing import Any
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.collectives.communicator import Communicator
-from hvd_spark.collectives.nccl import library, selection
+from hvd_spark.collectives.nccl import library, selection, streams
 from hvd_spark.collectives.nccl.arrays import is_device
 from hvd_spark.collectives.nccl.exchange import allgather_bytes
 from hvd_spark.collectives.nccl.staging import HostStagingCommunicator
@@ -31,11 +31,9 @@ def wanted(setting: str | None = None) -> bool:
     return setting != selection.HOST and library.cupy_installed()
 
 
-def current_device() -> tuple[int, str]:
-    """This process's current CUDA device: its index and its PCI bus id (unique on a host)."""
-    cp = library.cupy()
-    device = cp.cuda.Device()
-    return device.id, cp.cuda.runtime.deviceGetPCIBusId(device.id)
+def bus_id(device_id: int) -> str:
+    """The PCI bus id of CUDA device ``device_id`` (names one GPU on a host)."""
+    return library.cupy().cuda.runtime.deviceGetPCIBusId(device_id)
 
 
 class DeviceAwareCommunicator(Communicator):
@@ -59,21 +57,24 @@ class DeviceAwareCommunicator(Communicator):
 
     # ------------------------------------------------------------------ forming the path
 
-    def device_path(self) -> Communicator:
-        """The device communicator, formed at the first device collective."""
+    def device_path(self, device_id: int) -> Communicator:
+        """The device communicator, formed at the first device collective (on the device
+        of its tensors: one device per rank)."""
         if self._device is None:
-            self._device = self._form()
+            self._device = self._form(device_id)
         return self._device
 
-    def _form(self) -> Communicator:
-        device_id, bus_id = current_device()
-        raw = allgather_bytes(self.host, f"{self.hostname}\n{bus_id}".encode())
+    def _form(self, device_id: int) -> Communicator:
+        raw = allgather_bytes(self.host, f"{self.hostname}\n{bus_id(device_id)}".encode())
         devices = {r: tuple(b.decode().split("\n", 1)) for r, b in enumerate(raw)}
         self.plan = plan = selection.plan(self.rank, devices, self.setting,
                                           nccl_ok=library.nccl_version() > 0)
         log.info("rank %d: CUDA tensors go by %s (%s)", self.rank, plan.mode, plan.reason)
         if plan.mode == selection.HOST:
             return self._staging
+        # The engine thread's cupy work (packing, scaling, outputs) goes on the collective
+        # stream, after the producers' events and before the consumers' events.
+        streams.collective_stream(device_id).use()
         from hvd_spark.collectives.nccl.communicator import NcclCommunicator
         from hvd_spark.collectives.nccl.ipc import IpcCommunicator
 
@@ -98,7 +99,7 @@ class DeviceAwareCommunicator(Communicator):
 
         if not supports(sample.dtype):
             return self._staging  # int16/uint16: NCCL has no such type
-        return self.device_path()
+        return self.device_path(int(sample.device.id))
 
     # ------------------------------------------------------------------ the contract
 
