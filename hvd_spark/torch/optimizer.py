@@ -149,7 +149,8 @@ class _DistributedOptimizer:
             for handle, (p, grad, wire, ctx, _) in zip(handles, cpu_items):
                 self._hvd_handles[p] = (handle, grad, wire, ctx)
         for items in by_device.values():
-            if device_path.usable([wire for _, _, wire, _, _ in items]):
+            if (self._hvd_op != ReduceOp.Adasum
+                    and device_path.usable([wire for _, _, wire, _, _ in items])):
                 # NCCL / CUDA IPC: the gradients never leave the GPU.
                 handles = device_path.allreduce_many_async_(
                     [wire for _, _, wire, _, _ in items], [n for *_, n in items],
