@@ -23,8 +23,10 @@ from hvd_spark.torch.tensor_ops import TorchHandle
 _HOST_ONLY = (torch.bfloat16,)
 
 
-def usable(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when these CUDA tensors can take the device path."""
+def usable(tensors: Sequence[torch.Tensor], op: ReduceOp | None = None) -> bool:
+    """True when these CUDA tensors can take the device path (for reduction ``op``)."""
+    if op is not None and ReduceOp(op) == ReduceOp.Adasum:
+        return False  # Adasum combines on the host
     if not tensors or not all(t.is_cuda for t in tensors):
         return False
     if any(t.dtype in _HOST_ONLY or not t.is_contiguous() for t in tensors):

@@ -149,8 +149,7 @@ class _DistributedOptimizer:
             for handle, (p, grad, wire, ctx, _) in zip(handles, cpu_items):
                 self._hvd_handles[p] = (handle, grad, wire, ctx)
         for items in by_device.values():
-            if (self._hvd_op != ReduceOp.Adasum
-                    and device_path.usable([wire for _, _, wire, _, _ in items])):
+            if device_path.usable([wire for _, _, wire, _, _ in items], self._hvd_op):
                 # NCCL / CUDA IPC: the gradients never leave the GPU.
                 handles = device_path.allreduce_many_async_(
                     [wire for _, _, wire, _, _ in items], [n for *_, n in items],

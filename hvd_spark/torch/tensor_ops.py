@@ -155,7 +155,7 @@ def allreduce_async(
     if tensor.is_cuda:
         from hvd_spark.torch import device_path
 
-        if device_path.usable([tensor]):  # NCCL / CUDA IPC: no host copy
+        if device_path.usable([tensor], op):  # NCCL / CUDA IPC: no host copy
             return device_path.allreduce_async(tensor, name, op, prescale_factor,
                                                postscale_factor, process_set, in_place=False)
     handle = C.allreduce_async(as_numpy(_cpu(tensor)), name, op, prescale_factor,
@@ -173,7 +173,7 @@ def allreduce_async_(
     if tensor.is_cuda:
         from hvd_spark.torch import device_path
 
-        if device_path.usable([tensor]):
+        if device_path.usable([tensor], op):
             return device_path.allreduce_async(tensor, name, op, prescale_factor,
                                                postscale_factor, process_set, in_place=True)
     cpu, finish = _in_place_target(tensor)
