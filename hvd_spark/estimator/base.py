@@ -22,7 +22,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator import progress, transform
+from hvd_spark.estimator import progress, recovery, transform
 from hvd_spark.estimator.params import SHARED_PARAMS, KeywordParams, define_params
 from hvd_spark.estimator.persistence import PickledReader, PickledWriter
 from hvd_spark.estimator.train_spec import TrainSpec, batch_shape
@@ -78,6 +78,8 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
 
     _param_specs = SHARED_PARAMS
     _unsaved_params = ("backend",)
+    #: Whether the worker honours checkpoint_every_steps (step checkpoints and resume).
+    _step_checkpoints = False
 
     # ---------------------------------------------------------------- adapter hooks
 
@@ -128,6 +130,16 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             value = self.value(name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1 when set, got {value}")
+        if self.value("max_retries") < 0:
+            raise ConfigError(f"max_retries must be >= 0 (0: never retry), got "
+                              f"{self.value('max_retries')}")
+        every = self.value("checkpoint_every_steps")
+        if every is not None and every < 1:
+            raise ConfigError(f"checkpoint_every_steps must be >= 1 when set, got {every}")
+        if every is not None and not self._step_checkpoints:
+            raise ConfigError(f"checkpoint_every_steps is not supported by "
+                              f"{type(self).__name__} yet (it checkpoints every epoch); "
+                              "leave it unset, or use TorchEstimator")
         if (self.value("shuffle_buffer_size") or 0) < 0:
             raise ConfigError(f"shuffle_buffer_size must be >= 0, got "
                               f"{self.value('shuffle_buffer_size')}")
@@ -296,14 +308,16 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             label_shapes=self._label_shapes(),
             mp_start_method=self.value("mp_start_method"),
             extra=self._extra(),
+            checkpoint_every_steps=self.value("checkpoint_every_steps"),
         )
         bars = progress.TrainingProgress(spec.epochs) if self.value("verbose") >= 1 else None
         backend = self._backend(bars)
         if payload is None:
             payload = self._checked_payload()
         try:
-            results = backend.run(self._worker(), args=(spec, payload),
-                                  env=self._worker_env())
+            # A lost rank resumes from the last checkpoint on the same shards.
+            results = recovery.run_with_retries(backend, self._worker(), spec, payload,
+                                                self._worker_env(), self.value("max_retries"))
         finally:
             if bars is not None:
                 bars.close()

@@ -121,7 +121,8 @@ class KerasEstimator(HvdEstimator):
                  use_gpu=True, mp_start_method=None, tensorflow_dataset_prefetch_buffer_size=0,
                  backward_passes_per_step=1, compress_sparse_cols=False,
                  transformation_edit_fields=None, transformation_removed_fields=None,
-                 output_cols=None):
+                 output_cols=None,
+                 max_retries=3, checkpoint_every_steps=None):
         super().__init__()
         self.setParams(**self._input_kwargs)
 

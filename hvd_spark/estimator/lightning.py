@@ -143,7 +143,8 @@ class LightningEstimator(HvdEstimator):
                  val_async_data_loader_queue_size=None, use_gpu=True, mp_start_method=None,
                  backward_passes_per_step=1, continuous_cols=None, categorical_cols=None,
                  compress_sparse_cols=False, tensorflow_dataset_prefetch_buffer_size=0,
-                 output_cols=None):
+                 output_cols=None,
+                 max_retries=3, checkpoint_every_steps=None):
         super().__init__()
         self.setParams(**self._input_kwargs)
 

@@ -84,6 +84,11 @@ SHARED_PARAMS: list[tuple[str, str, Any, Any]] = [
     ("data_module", "Horovod's data-module class (ignored here)", _ANY, None),
     ("output_cols", "prediction column names (default: <label>__output); hvd_spark only",
      _STRS, None),
+    ("max_retries", "times a fit resumes from its last checkpoint after losing a rank's "
+     "process or executor (0: never); hvd_spark only", _INT, 3),
+    ("checkpoint_every_steps", "also checkpoint every N training steps, so a retry loses "
+     "less than an epoch (TorchEstimator; default: per epoch only); hvd_spark only",
+     _INT, None),
 ]
 
 #: Params accepted for Horovod compatibility that do nothing here, with the reason.

@@ -132,6 +132,8 @@ class TorchEstimator(HvdEstimator):
     - ``use_gpu`` (default True) trains on a GPU when the rank has one, else on the CPU.
     """
 
+    _step_checkpoints = True
+
     @keyword_only_params
     def __init__(self, num_proc=None, data_module=None, model=None, backend=None, store=None,
                  optimizer=None, loss=None, loss_constructors=None, metrics=None,
@@ -147,7 +149,8 @@ class TorchEstimator(HvdEstimator):
                  inmemory_cache_all=False, use_gpu=True, mp_start_method=None,
                  backward_passes_per_step=1, compress_sparse_cols=False,
                  transformation_edit_fields=None, transformation_removed_fields=None,
-                 tensorflow_dataset_prefetch_buffer_size=0, output_cols=None):
+                 tensorflow_dataset_prefetch_buffer_size=0, output_cols=None,
+                 max_retries=3, checkpoint_every_steps=None):
         super().__init__()
         self.setParams(**self._input_kwargs)
 

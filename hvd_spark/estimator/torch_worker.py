@@ -27,6 +27,11 @@ import cloudpickle
 import numpy as np
 
 from hvd_spark.estimator import history as hist
+from hvd_spark.estimator.step_checkpoints import (
+    ResumePoint,
+    read_step_checkpoint,
+    save_step_checkpoint,
+)
 from hvd_spark.estimator.train_spec import (
     TrainSpec,
     check_loss,
@@ -188,7 +193,19 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     minibatch = payload["train_minibatch_fn"]() if payload["train_minibatch_fn"] else None
     shapes = payload["input_shapes"]
     history: list[dict] = []
-    if spec.start_epoch > 0:
+    resumed: dict = {"sums": {}, "steps": 0}  # this rank's part of a step checkpoint
+    if spec.start_step > 0:
+        point = ResumePoint(spec.start_epoch, spec.start_step)
+        state = torch.load(io.BytesIO(read_step_checkpoint(spec.store, spec.run_id, point)),
+                           map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        history = state["history"]
+        ranks = state["ranks"]
+        resumed = {**ranks[hvd.rank() % len(ranks)], "steps": spec.start_step}
+        if len(ranks) == hvd.size():  # same ranks: same dropout masks as without the loss
+            torch.set_rng_state(resumed["rng"])
+    elif spec.start_epoch > 0:
         found = spec.store.latest_checkpoint(spec.run_id)
         if found is not None:
             state = torch.load(io.BytesIO(found[1]), map_location=device, weights_only=False)
@@ -218,11 +235,31 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             for fn, out, label, col in zip(fns, outputs, labels, ds.label_cols):
                 hist.accumulate(sums, f"group_{g}_{col}", float(fn(out, label)))
 
+    def step_checkpoint(epoch: int, steps_done: int, sums: dict) -> None:
+        """Every ``checkpoint_every_steps`` (after an optimizer step): the model, the
+        optimizer and each rank's running sums and generator state, written by rank 0."""
+        every = spec.checkpoint_every_steps
+        if (not every or steps_done % every or steps_done % spec.backward_passes_per_step
+                or steps_done >= reader.steps_per_epoch):
+            return
+        ranks = hvd.allgather_object({"sums": dict(sums), "rng": torch.get_rng_state()},
+                                     name=f"hvd_spark.step_checkpoint.{epoch}.{steps_done}")
+        if hvd.rank() == 0:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "history": history, "ranks": ranks}, buf)
+            save_step_checkpoint(spec.store, spec.run_id, epoch, steps_done, buf.getvalue())
+
     def train_epoch(epoch) -> dict:
-        sums: dict[str, float] = {}
+        first = epoch == spec.start_epoch
+        sums: dict[str, float] = dict(resumed["sums"]) if first else {}
         model.train()
         steps, rows, started = 0, 0, time.monotonic()
+        skip = resumed["steps"] if first else 0
+        steps += skip  # trained before the step checkpoint: they count in the epoch's mean
         for step, batch in enumerate(reader.epoch(epoch)):
+            if step < skip:
+                continue  # the same batches in the same order as before the loss
             inputs, labels, row_weights = prepare(batch)
             run = minibatch or default_minibatch
             outputs, loss = run(model, dist_opt, transform_outputs, loss_fn, inputs, labels,
@@ -234,6 +271,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             with torch.no_grad():
                 add_metrics(sums, outputs, labels)
             steps += 1
+            step_checkpoint(epoch, step + 1, sums)
             rows += len(labels[0]) * hvd.size()  # every rank trains on equal batches
             if hvd.rank() == 0:
                 hist.step(spec.verbose, epoch + 1, steps, reader.steps_per_epoch,

@@ -45,6 +45,9 @@ class TrainSpec:
         label_shapes: Per-row shape of each label column (None: as stored).
         mp_start_method: multiprocessing start method to set first (None: leave it).
         extra: Framework-specific settings.
+        start_step: Steps of ``start_epoch`` already trained (resuming from a step
+            checkpoint; 0: the epoch starts afresh).
+        checkpoint_every_steps: Also checkpoint every that many steps (None: per epoch).
     """
 
     dataset: DatasetSpec
@@ -71,6 +74,8 @@ class TrainSpec:
     label_shapes: Sequence[Sequence[int]] | None = None
     mp_start_method: str | None = None
     extra: dict = dataclasses.field(default_factory=dict)
+    start_step: int = 0
+    checkpoint_every_steps: int | None = None
 
 
 class BatchSource:

@@ -92,6 +92,26 @@ class SparkBackend(Backend):
             self._num_proc = cluster_context(active_session()).defaultParallelism
         return self._num_proc
 
+    def available_slots(self) -> int:
+        """Task slots of the executors alive now (a lost executor no longer counts)."""
+        from hvd_spark.runner.spark_launcher import active_session, cluster_context, task_slots
+
+        sc = cluster_context(active_session())
+        if not sc.master.startswith("local-cluster") and sc.master.startswith("local"):
+            return task_slots(sc)  # one JVM: nothing to lose
+        try:  # what Spark's barrier check counts; private API, hence the fallback
+            jsc = sc._jsc.sc()
+            return int(jsc.maxNumConcurrentTasks(
+                jsc.resourceProfileManager().defaultResourceProfile()))
+        except Exception:  # noqa: BLE001 - Spark Connect or another Spark: the static count
+            return task_slots(sc)
+
+    def with_num_proc(self, num_proc: int) -> SparkBackend:
+        """A copy that runs ``num_proc`` ranks (a retry with the executors that remain)."""
+        copy = self.with_options()
+        copy._num_proc = num_proc
+        return copy
+
     def with_options(self, **options: Any) -> SparkBackend:
         """A copy whose ``hvd_spark.run`` keywords are updated where ``options`` are not None.
 

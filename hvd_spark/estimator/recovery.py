@@ -1,0 +1,98 @@
+"""Fit retries: a rank lost with its process or executor resumes from the last checkpoint.
+
+A barrier job cannot lose a task and go on, so the fit runs the job again: on the
+same stored data shards, from the newest epoch or step checkpoint of the run, with
+as many ranks as before once the cluster has the task slots again (Spark's standalone
+and YARN managers replace a lost executor), or with the slots that remain after a
+deadline. Only losses are retried: an exception raised by the training code (a bug,
+a NaN loss, bad data) would fail again, so it ends the fit at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hvd_spark.errors import WorkerFailedError
+from hvd_spark.estimator.step_checkpoints import resume_point
+from hvd_spark.estimator.train_spec import TrainSpec
+from hvd_spark.runner.backend import Backend, SparkBackend
+
+log = logging.getLogger("hvd_spark.estimator")
+
+#: How long a retry waits for the cluster to have as many task slots as the first run.
+SLOT_WAIT_S = 90.0
+_POLL_S = 1.0
+
+
+def recoverable(err: WorkerFailedError) -> bool:
+    """True when every failure that is not a consequence is a lost process or executor."""
+    primary = [f for f in err.failures if not f.secondary]
+    return bool(err.failures) and all(getattr(f, "lost", False) for f in primary)
+
+
+def describe_loss(err: WorkerFailedError) -> str:
+    """``rank 1 on host X lost: executor 3 lost (...)`` for the driver's log."""
+    root = err.root_cause
+    return f"rank {root.rank} on host {root.host} lost: {root.message}"
+
+
+def backend_for_retry(backend: Backend, wanted: int,
+                      wait_s: float = SLOT_WAIT_S) -> Backend:
+    """``backend`` once the cluster has ``wanted`` task slots again, or a SparkBackend of
+    the slots there are when ``wait_s`` passes (at least one, else the loss is final)."""
+    if not isinstance(backend, SparkBackend):
+        return backend  # a custom launcher decides for itself
+    deadline = time.monotonic() + wait_s
+    slots = backend.available_slots()
+    while slots < wanted and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        slots = backend.available_slots()
+    if slots < 1:
+        return backend  # nothing to shrink to: the retry's own slot check will say so
+    return backend.with_num_proc(min(slots, wanted))
+
+
+def run_with_retries(backend: Backend, worker: Callable, spec: TrainSpec, payload: Any,
+                     env: dict[str, str], max_retries: int) -> list:
+    """Run ``worker(spec, payload)`` on every rank; after a lost rank, resume and go on.
+
+    Args:
+        backend: Where the ranks run.
+        worker: The training function.
+        spec: The run's spec; each attempt starts from the run's newest checkpoint.
+        payload: The serialized model and its companions.
+        env: Environment variables of the ranks.
+        max_retries: How many times a lost rank may be recovered from (0: never).
+
+    Returns:
+        The ranks' results of the attempt that finished.
+
+    Raises:
+        WorkerFailedError: A failure that is not a loss, or a loss after ``max_retries``
+            retries (with a note saying so).
+    """
+    wanted = backend.num_processes()
+    attempt = 0
+    while True:
+        point = resume_point(spec.store, spec.run_id)
+        if (point.epoch, point.step) > (spec.start_epoch, spec.start_step):
+            spec = dataclasses.replace(spec, start_epoch=point.epoch, start_step=point.step)
+        try:
+            return backend.run(worker, args=(spec, payload), env=env)
+        except WorkerFailedError as err:
+            if not recoverable(err):
+                raise
+            if attempt >= max_retries:
+                err.add_note(f"hvd_spark: the fit was retried {attempt} time(s) "
+                             f"(max_retries={max_retries}); raise max_retries to go on")
+                raise
+            attempt += 1
+            backend = backend_for_retry(backend, wanted)
+            point = resume_point(spec.store, spec.run_id)
+            log.warning("%s; resuming from %s with %d ranks (retry %d of %d)",
+                        describe_loss(err), point.describe(), backend.num_processes(),
+                        attempt, max_retries)
