@@ -13,6 +13,7 @@ BENCHMARKS = {
     "spark": ("hvd_spark.bench.spark_overhead", "hvd_spark.run overhead vs TorchDistributor"),
     "reader": ("hvd_spark.bench.reader_bench", "Parquet reader rows/s vs a plain scan"),
     "transform": ("hvd_spark.bench.transform_bench", "Model.transform rows/s: Arrow vs pandas"),
+    "elastic": ("hvd_spark.bench.elastic_bench", "elastic recovery time and commit cost"),
 }
 
 
