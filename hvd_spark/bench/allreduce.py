@@ -233,12 +233,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-mb", type=float, default=1024, help="bytes reduced per size, MB")
     p.add_argument("--no-resnet", action="store_true", help="skip the ResNet-50 gradient case")
     p.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: CUDA buffers, hvd_spark's device path (NCCL / CUDA IPC) vs host "
+                        "staging vs torch.distributed")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     """Run the benchmark (launching the ranks unless already inside hvdrun)."""
     args = parse_args(argv)
+    if args.device == "cuda":
+        from hvd_spark.bench import cuda_allreduce
+
+        return cuda_allreduce.run(args)
     opts = {"sizes": [parse_size(s) for s in args.sizes.split(",")],
             "peers": args.peers.split(","), "budget": args.budget_mb * 1e6,
             "resnet": not args.no_resnet}
