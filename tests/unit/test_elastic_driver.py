@@ -1,0 +1,141 @@
+"""The elastic driver's membership rules, driven directly (workers are threads calling join)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hvd_spark.errors import ConfigError, ElasticJobError
+from hvd_spark.runner.elastic_driver import ElasticDriver, ElasticSettings
+
+
+def _settings(**kw) -> ElasticSettings:
+    base = dict(num_proc=3, min_np=2, max_np=3, start_timeout=5, elastic_timeout=2,
+                heartbeat_s=0)
+    base.update(kw)
+    return ElasticSettings(**base)
+
+
+def _join_all(driver: ElasticDriver, joins: list[tuple[str, str, int]]) -> dict:
+    """Join several workers concurrently; return worker -> assignment or exception."""
+    out: dict = {}
+
+    def one(worker, host, last):
+        try:
+            out[worker] = driver.join(worker, host, last)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out[worker] = exc
+
+    threads = [threading.Thread(target=one, args=j) for j in joins]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return out
+
+
+@pytest.fixture
+def driver():
+    events: list[str] = []
+    d = ElasticDriver(_settings(), on_event=events.append)
+    d.events = events
+    yield d
+    d.close()
+
+
+def test_first_generation_groups_ranks_by_host(driver):
+    got = _join_all(driver, [("a", "h1", 0), ("b", "h2", 0), ("c", "h1", 0)])
+    assert {w: (g["generation"], g["rank"], g["local_rank"], g["cross_size"])
+            for w, g in got.items()} == {"a": (1, 0, 0, 2), "c": (1, 1, 1, 1),
+                                         "b": (1, 2, 0, 2)}
+
+
+def test_a_lost_worker_breaks_the_ring_and_survivors_keep_their_order(driver):
+    _join_all(driver, [("a", "h", 0), ("b", "h", 0), ("c", "h", 0)])
+    driver.worker_lost("a", "exited with code -9")
+    assert driver.beat("b", 1) == "rank 0 (worker a on h) exited with code -9"
+    got = _join_all(driver, [("b", "h", 1), ("c", "h", 1)])
+    assert {w: (g["generation"], g["rank"], g["size"]) for w, g in got.items()} == {
+        "b": (2, 0, 2), "c": (2, 1, 2)}
+    assert driver.beat("b", 2) is None
+    assert any("generation 2: 2 ranks" in e for e in driver.events)
+    with pytest.raises(ElasticJobError, match="declared lost"):
+        driver.join("a", "h", 1)
+
+
+def test_a_newcomer_raises_the_version_and_joins_at_the_next_reset(driver):
+    driver.settings = _settings(num_proc=2)
+    _join_all(driver, [("a", "h", 0), ("b", "h", 0)])
+    assert driver.current_version() == 0
+    late: dict = {}
+    t = threading.Thread(target=lambda: late.setdefault("c", driver.join("c", "h", 0)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while driver.current_version() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert driver.current_version() == 1  # the ranks' next commit sees it
+    got = _join_all(driver, [("a", "h", 1), ("b", "h", 1)])
+    t.join(10)
+    assert got["a"]["rank"] == 0 and got["b"]["rank"] == 1 and late["c"]["rank"] == 2
+    assert late["c"]["generation"] == 2 and late["c"]["size"] == 3
+
+
+def test_too_few_left_after_the_elastic_timeout_is_fatal_and_names_the_loss(driver):
+    _join_all(driver, [("a", "h", 0), ("b", "h", 0), ("c", "h", 0)])
+    driver.worker_lost("a", "exited with code -9")
+    driver.worker_lost("b", "sent no heartbeat for 10 s")
+    got = _join_all(driver, [("c", "h", 1)])
+    assert isinstance(got["c"], ElasticJobError)
+    message = str(got["c"])
+    assert "fewer than min_np=2" in message and "exited with code -9" in message
+    assert "sent no heartbeat" in message
+
+
+def test_the_reset_limit_is_enforced():
+    d = ElasticDriver(_settings(reset_limit=0))
+    try:
+        _join_all(d, [("a", "h", 0), ("b", "h", 0), ("c", "h", 0)])
+        d.worker_lost("c", "exited with code 1")
+        got = _join_all(d, [("a", "h", 1), ("b", "h", 1)])
+        assert all("reset_limit=0" in str(v) for v in got.values())
+    finally:
+        d.close()
+
+
+def test_a_straggler_is_dropped_after_the_elastic_timeout(driver):
+    _join_all(driver, [("a", "h", 0), ("b", "h", 0), ("c", "h", 0)])
+    started = time.monotonic()
+    # c never rejoins (stuck without a heartbeat limit): a and b go on without it.
+    got = _join_all(driver, [("a", "h", 1), ("b", "h", 1)])
+    assert 1.5 < time.monotonic() - started < 10
+    assert {g["size"] for g in got.values()} == {2}
+    assert "did not rejoin" in driver.lost["c"]
+
+
+def test_a_silent_worker_is_declared_lost_by_the_heartbeat():
+    lost: list[tuple[str, str]] = []
+    d = ElasticDriver(_settings(heartbeat_s=0.5), on_lost=lambda w, r: lost.append((w, r)))
+    try:
+        _join_all(d, [("a", "h", 0), ("b", "h", 0), ("c", "h", 0)])
+        deadline = time.monotonic() + 3
+        while not lost and time.monotonic() < deadline:
+            d.beat("a", 1)
+            d.beat("b", 1)
+            time.sleep(0.1)
+        assert lost and lost[0][0] == "c" and "no heartbeat" in lost[0][1]
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(min_np=4), "min_np <= num_proc <= max_np"),
+    (dict(max_np=2), "min_np <= num_proc <= max_np"),
+    (dict(num_proc=0), "num_proc must be a positive integer"),
+    (dict(reset_limit=-1), "reset_limit"),
+    (dict(elastic_timeout=0), "elastic_timeout"),
+])
+def test_bad_settings_are_refused_with_the_parameter(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        _settings(**kw)
