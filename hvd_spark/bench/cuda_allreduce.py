@@ -11,6 +11,7 @@ nccl-tests: 2(N-1)/N x bytes / time.
 from __future__ import annotations
 
 import socket
+import sys
 import time
 
 import numpy as np
@@ -116,6 +117,12 @@ def run(args) -> int:
     import os
 
     from hvd_spark.bench.allreduce import DEFAULT_SIZES, parse_size
+    from hvd_spark.collectives.nccl import library
+
+    if library.device_count() == 0:
+        print("allreduce --device cuda needs a CUDA GPU and cupy (the gpu extra: cupy-cuda12x, "
+              "nvidia-nccl-cu12); none here", file=sys.stderr)
+        return 2
 
     sizes = "1M,16M,64M,256M" if args.sizes == DEFAULT_SIZES else args.sizes
     opts = {"sizes": [parse_size(s) for s in sizes.split(",")], "budget": args.budget_mb * 1e6}
