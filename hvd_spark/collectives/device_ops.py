@@ -9,7 +9,8 @@ wait for the collective (another event). Frameworks pass their streams' raw hand
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hvd_spark.collectives import api
@@ -47,6 +48,16 @@ class DeviceHandle:
         if event is not None:
             streams.consumer_waits(event, consumer_stream)
         return result
+
+
+@contextlib.contextmanager
+def _on(device_id: int) -> Iterator[None]:
+    """The caller's cupy work on the tensors' device and the collective stream (ordered
+    after the producer's event already waited for)."""
+    from hvd_spark.collectives.nccl import library
+
+    with library.cupy().cuda.Device(device_id), streams.collective_stream(device_id):
+        yield
 
 
 def _device_id(array: Any) -> int:
@@ -126,7 +137,7 @@ def _allreduce_build(array: Any, op: ReduceOp, prescale: float, postscale: float
             raise CollectiveArgumentError(f"allreduce {key!r}: Adasum runs on host arrays only")
         check_reduction(work.dtype, reduce_op, prescale, postscale, key)
         if prescale != 1.0:
-            with streams.collective_stream(device_id):
+            with _on(device_id):
                 work = work * prescale  # a copy: the caller's tensor is not scaled early
         request = _request(key, m.ALLREDUCE, work, members, op=int(reduce_op),
                            prescale=float(prescale), postscale=float(postscale))
@@ -180,7 +191,7 @@ def reducescatter_async(array: Any, name: str | None = None, op: ReduceOp = Redu
         if reduce_op == ReduceOp.Adasum:
             raise CollectiveArgumentError(f"reducescatter {key!r}: Adasum is only for allreduce")
         check_reduction(array.dtype, reduce_op, 1.0, 1.0, key)
-        with streams.collective_stream(device_id):
+        with _on(device_id):
             work = array.copy()  # reduced in place: the caller keeps its input
         return _request(key, m.REDUCESCATTER, work, members, op=int(reduce_op)), work, finish
 

@@ -70,11 +70,13 @@ class DeviceAwareCommunicator(Communicator):
         self.plan = plan = selection.plan(self.rank, devices, self.setting,
                                           nccl_ok=library.nccl_version() > 0)
         log.info("rank %d: CUDA tensors go by %s (%s)", self.rank, plan.mode, plan.reason)
+        # The engine thread's cupy work (packing, scaling, outputs, staging copies) goes to
+        # the tensors' device, on the collective stream: after the producers' events, before
+        # the consumers'. (cupy's current device is per thread; torch's set_device is not it.)
+        library.cupy().cuda.Device(device_id).use()
+        streams.collective_stream(device_id).use()
         if plan.mode == selection.HOST:
             return self._staging
-        # The engine thread's cupy work (packing, scaling, outputs) goes on the collective
-        # stream, after the producers' events and before the consumers' events.
-        streams.collective_stream(device_id).use()
         from hvd_spark.collectives.nccl.communicator import NcclCommunicator
         from hvd_spark.collectives.nccl.ipc import IpcCommunicator
 
@@ -97,9 +99,10 @@ class DeviceAwareCommunicator(Communicator):
             return self.host
         from hvd_spark.collectives.nccl.communicator import supports
 
+        path = self.device_path(int(sample.device.id))  # formed at the first one, any dtype
         if not supports(sample.dtype):
             return self._staging  # int16/uint16: NCCL has no such type
-        return self.device_path(int(sample.device.id))
+        return path
 
     # ------------------------------------------------------------------ the contract
 

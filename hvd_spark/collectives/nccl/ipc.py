@@ -85,8 +85,9 @@ class IpcCommunicator(Communicator):
         self._ptrs = []
         with self._cp.cuda.Device(self.device_id):
             for r, peer_handle in enumerate(handles):
-                self._ptrs.append(self._mine if r == self.rank else runtime.ipcOpenMemHandle(
-                    peer_handle, runtime.cudaIpcMemLazyEnablePeerAccess))
+                # The default flag (lazy peer access) is what mapping on one device needs.
+                self._ptrs.append(self._mine if r == self.rank
+                                  else runtime.ipcOpenMemHandle(peer_handle))
         self._capacity = capacity
 
     def _release(self) -> None:
