@@ -146,7 +146,7 @@ class TensorFlowKerasState(ObjectState):
     The optimizer's slot variables are created now (``optimizer.build``) if training
     has not created them yet, so every rank, a newly joined one too, syncs the same list.
     After each reset the model's compiled train function is dropped, so the next
-    ``fit`` traces it again for the new ring (its size, the optimizer's checks).
+    ``fit`` traces it again for the new ring.
 
     Args:
         model: A built Keras model (call it once or ``model.build(input_shape)`` first).
@@ -198,12 +198,10 @@ class TensorFlowKerasState(ObjectState):
 
     def on_reset(self) -> None:
         """Forget what was traced for the old ring, then run the user's reset callbacks."""
-        # A trace bakes in Python-time facts (the ring's size; whether the optimizer
-        # checked the ranks agree): every rank, old or new, traces afresh and alike.
+        # A trace bakes in Python-time facts (the ring's size, a rank's place in it):
+        # every rank, old or new, then runs a train step traced for this ring.
         if hasattr(self.model, "train_function"):
             self.model.train_function = None
-        if hasattr(self.optimizer, "_hvd_checked"):
-            self.optimizer._hvd_checked = False
         super().on_reset()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from hvd_spark.collectives.elastic import is_elastic
 from hvd_spark.collectives.ops import ReduceOp
 from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
 from hvd_spark.errors import ConfigError
@@ -90,14 +91,16 @@ class GradientReducer:
         grads = list(grads)
         sources = list(sources) if sources is not None else [None] * len(grads)
         n = kernel.members_size(self.process_set)
+        # An elastic ring may grow after this trace: keep its collectives even at size 1.
+        elastic = is_elastic()
         out: list[Any] = list(grads)
         todo = []
         for i, (g, s) in enumerate(zip(grads, sources)):
             if g is None:
                 continue
             if self.is_local(s):
-                if self.scale_local_gradients and n > 1:
-                    out[i] = _scale(g, 1.0 / n)
+                if self.scale_local_gradients and (n > 1 or elastic):
+                    out[i] = _divide(g, kernel.size_tensor(self.process_set))
                 continue
             if self.sparse_as_dense and isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
@@ -105,7 +108,7 @@ class GradientReducer:
             todo.append(i)
         outside = (self.process_set is not global_process_set
                    and self.process_set.included() is False)
-        if n == 1 or outside or not todo:
+        if (n == 1 and not elastic) or outside or not todo:
             return out  # as Horovod: nothing to average with
         for k, group in enumerate(self._split(todo, sources)):
             reduced = grouped_allreduce(
@@ -144,11 +147,11 @@ def _ref(source: Any) -> Any:
     return source.ref() if hasattr(source, "ref") else id(source)
 
 
-def _scale(grad: Any, factor: float) -> Any:
+def _divide(grad: Any, size: int | tf.Tensor) -> Any:
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices,
+        return tf.IndexedSlices(grad.values / tf.cast(size, grad.values.dtype), grad.indices,
                                 grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)
+    return grad / tf.cast(size, grad.dtype)
 
 
 def make_groups(num_groups: int, groups: Any, where: str) -> Any:

@@ -174,6 +174,17 @@ def scalar_op(value: Callable[[], int], name: str | None) -> tf.Tensor:
     return out
 
 
+def size_tensor(process_set: C.ProcessSet) -> int | tf.Tensor:
+    """The size of ``process_set``: an int eagerly, in a graph a tensor read when it runs.
+
+    An elastic ring changes size between two runs of one traced function, so a divisor
+    traced as a constant would go stale.
+    """
+    if tf.executing_eagerly():
+        return members_size(process_set)
+    return scalar_op(lambda: members_size(process_set), None)
+
+
 def members_size(process_set: C.ProcessSet) -> int:
     """The number of ranks in ``process_set`` (the job's size for the global set)."""
     if process_set is C.global_process_set:

@@ -99,7 +99,7 @@ def _sparse_group(slices: list[tf.IndexedSlices], op: ReduceOp, name: str | None
     indices = grouped_allgather([s.indices for s in slices],
                                 name=None if name is None else f"{name}.indices",
                                 process_set=process_set)
-    n = kernel.members_size(process_set)
+    n = kernel.size_tensor(process_set)
     out = []
     for s, v, i in zip(slices, values, indices):
         if op == ReduceOp.Average:

@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from hvd_spark import collectives as C
+from hvd_spark.collectives.elastic import is_elastic
 from hvd_spark.collectives.ops import ReduceOp
 from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
 from hvd_spark.errors import ConfigError
@@ -88,6 +89,10 @@ class _DistributedMixin:
         self._hvd_checked = True
         ps = self._hvd_reducer.process_set
         if C.size() == 1 or (ps is not global_process_set and not ps.included()):
+            return
+        if is_elastic():
+            # A rank that joins later traces alone; a collective here would wait for
+            # ranks that traced long ago. The elastic state's sync checks shapes instead.
             return
         variables = variables if variables is not None else self._trainable_variables
         signature = [(tuple(v.shape), str(v.dtype)) for g, v in zip(grads, variables)

@@ -14,56 +14,98 @@ from hvd_spark.runner.elastic_local import run_elastic_local
 _ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "HVD_SPARK_HEARTBEAT_S": "5", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def _custom_loop(steps: int, kill_step: int) -> tuple:
-    """A TensorFlowState loop whose compiled step allreduces (rank + 1): worker 1 dies
-    right after step ``kill_step``; commits every 5 steps."""
+def _custom_loop(steps: int, wait_for_size: int) -> dict:
+    """A TensorFlowState loop of compiled steps, traced once: ``w`` adds the average of
+    (rank + 1) over the ranks; ``v`` descends 0.5 * (v - (rank + 1))**2 averaged by a
+    DistributedOptimizer. Worker 1 dies right after step 12; commits every 5 steps. With
+    ``wait_for_size``, steps go on until one ran with that many ranks (at most 400)."""
     import signal
 
+    import keras
     import tensorflow as tf
 
     import hvd_spark.tensorflow as hvd
 
     hvd.init()
     w = tf.Variable(tf.fill([4], float(hvd.rank()) * 100.0))  # sync makes it rank 0's
-    state = hvd.elastic.TensorFlowState([w], step=0, sizes=[])
+    v = tf.Variable(float(hvd.rank()) * 10.0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5))
+    opt.build([v])
+    state = hvd.elastic.TensorFlowState([w, v], step=0, sizes=[])
     starts = []
 
     @tf.function
     def train_step():
-        # Traced once, at the first ring's size; rank_op and Average are read when it runs.
-        mine = tf.cast(hvd.rank_op() + 1, tf.float32) * tf.ones([4])
-        w.assign_add(hvd.allreduce(mine, op=hvd.Average, name="grad"))
+        # Traced once, at the first ring's size; rank_op, Average and the optimizer's
+        # averaging are read when it runs.
+        mine = tf.cast(hvd.rank_op() + 1, tf.float32)
+        w.assign_add(hvd.allreduce(mine * tf.ones([4]), op=hvd.Average, name="grad"))
+        with tf.GradientTape() as tape:
+            loss = 0.5 * (v - mine) ** 2
+        opt.apply(tape.gradient(loss, [v]), [v])
 
     @hvd.elastic.run
     def train(state):
         starts.append((state.step, hvd.size()))
-        while state.step < steps:
+        while state.step < steps or (state.sizes[-1] < wait_for_size and state.step < 400):
             train_step()
             state.step += 1
             state.sizes.append(hvd.size())
-            if state.step == kill_step and os.environ["HVD_SPARK_WORKER_ID"] == "1":
+            if state.step == 12 and os.environ["HVD_SPARK_WORKER_ID"] == "1":
                 os.kill(os.getpid(), signal.SIGKILL)
             if state.step % 5 == 0:
                 state.commit()
-        return w.numpy().tolist()
+            if wait_for_size:
+                time.sleep(0.05)  # leave the replacement time to start
+        return w.numpy().tolist(), float(v.numpy())
 
-    final = train(state)
-    return hvd.rank(), hvd.size(), state.step, list(state.sizes), starts, final
+    final_w, final_v = train(state)
+    return {"rank": hvd.rank(), "size": hvd.size(), "step": state.step, "starts": starts,
+            "sizes": list(state.sizes), "w": final_w, "v": final_v,
+            "worker": os.environ["HVD_SPARK_WORKER_ID"]}
+
+
+def _predicted(sizes: list[int]) -> tuple[float, float]:
+    """``w`` and ``v`` after steps at these ring sizes: the mean of 1..n is (n + 1) / 2."""
+    w = v = 0.0
+    for n in sizes:
+        w += (n + 1) / 2
+        v -= 0.5 * (v - (n + 1) / 2)
+    return w, v
 
 
 def test_tensorflow_state_custom_loop_continues_from_the_last_commit_after_a_kill():
     err = io.StringIO()
-    results = run_elastic_local(_custom_loop, args=(30, 12), num_proc=3, min_np=2, max_np=3,
+    results = run_elastic_local(_custom_loop, args=(30, 0), num_proc=3, min_np=2, max_np=3,
                                 cooldown=None, start_timeout=120, env=_ENV, stderr=err)
-    assert [r[:3] for r in results] == [(0, 2, 30), (1, 2, 30)], err.getvalue()
-    for _, _, _, sizes, starts, final in results:
-        # Steps 1-10 ran with 3 ranks (mean of 1,2,3 is 2); the kill after step 12 lost
-        # steps 11-12, so the survivors restarted from the commit at step 10 with 2 ranks
-        # (mean of 1,2 is 1.5), using the same compiled step.
-        assert sizes == [3] * 10 + [2] * 20
-        assert starts == [(0, 3), (10, 2)]
-        assert final == [10 * 2.0 + 20 * 1.5] * 4
+    assert [(r["rank"], r["size"], r["step"]) for r in results] == [(0, 2, 30), (1, 2, 30)], (
+        err.getvalue())
+    w, v = _predicted([3] * 10 + [2] * 20)
+    for r in results:
+        # Steps 1-10 ran with 3 ranks; the kill after step 12 lost steps 11-12, so the
+        # survivors restarted from the commit at step 10 with 2 ranks, in the same trace.
+        assert r["sizes"] == [3] * 10 + [2] * 20
+        assert r["starts"] == [(0, 3), (10, 2)]
+        assert r["w"] == [w] * 4
+        assert np.isclose(r["v"], v, rtol=1e-5), (r["v"], v)
+    assert [r["worker"] for r in results] == ["0", "2"]
     assert "exited with code -9" in err.getvalue()
+
+
+def test_tensorflow_state_replacement_joins_a_traced_loop_and_the_ring_grows_to_3():
+    err = io.StringIO()
+    results = run_elastic_local(_custom_loop, args=(20, 3), num_proc=3, min_np=2, max_np=3,
+                                cooldown=0.5, start_timeout=120, env=_ENV, stderr=err)
+    assert [(r["rank"], r["size"], r["worker"]) for r in results] == [
+        (0, 3, "0"), (1, 3, "2"), (2, 3, "3")], err.getvalue()
+    sizes = results[0]["sizes"]
+    assert sizes[:10] == [3] * 10 and sizes[10] == 2 and sizes[-1] == 3
+    w, v = _predicted(sizes)
+    for r in results:  # the newcomer took the state (steps, sizes, variables) from rank 0
+        assert r["sizes"] == sizes and r["step"] == len(sizes)
+        assert r["w"] == [w] * 4
+        assert np.isclose(r["v"], v, rtol=1e-5), (r["v"], v)
+    assert results[2]["starts"] == [results[0]["starts"][-1]]
 
 
 def _keras_fit(epochs: int, wait_for_size: int) -> dict:
