@@ -236,6 +236,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: CUDA buffers, hvd_spark's device path (NCCL / CUDA IPC) vs host "
                         "staging vs torch.distributed")
+    hosts = p.add_argument_group("several hosts", "network namespaces as hosts (needs root): "
+                                 "hierarchical vs flat vs Gloo on the same shaped links")
+    hosts.add_argument("--hosts", type=int, default=None, help="number of namespace hosts")
+    hosts.add_argument("--ranks-per-host", type=int, default=2, help="ranks on each host")
+    hosts.add_argument("--bandwidth", default=None, help="link rate, e.g. 1gbit or 10gbit")
+    hosts.add_argument("--delay", default=None, help="one-way link delay, e.g. 100us (netem)")
+    hosts.add_argument("--json", default=None, help="also write the measurements here")
     return p.parse_args(argv)
 
 
@@ -246,6 +253,12 @@ def main(argv: list[str]) -> int:
         from hvd_spark.bench import cuda_allreduce
 
         return cuda_allreduce.run(args)
+    if args.hosts is not None:
+        from hvd_spark.bench import multihost_allreduce
+
+        if args.sizes == DEFAULT_SIZES:
+            args.sizes = multihost_allreduce.DEFAULT_SIZES
+        return multihost_allreduce.run(args)
     opts = {"sizes": [parse_size(s) for s in args.sizes.split(",")],
             "peers": args.peers.split(","), "budget": args.budget_mb * 1e6,
             "resnet": not args.no_resnet}

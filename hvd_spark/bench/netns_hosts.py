@@ -187,6 +187,7 @@ class NetnsHosts:
         self.addrs: list[str] = []
         self._extra_bridges: list[str] = []
         self.interfaces: dict[str, list[str]] = {}  # added interface -> address per host
+        self._holders: dict[int, subprocess.Popen] = {}
         self._started = False
         self._taken: set[str] = set()
 
@@ -313,6 +314,29 @@ class NetnsHosts:
         return ["ip", "netns", "exec", self.namespaces[i], "unshare", "--uts", "--mount",
                 "sh", "-c", setup, "sh", *command]
 
+    def joined_argv(self, i: int, command: Sequence[str]) -> list[str]:
+        """``command`` wrapped to run on host ``i`` inside its one long-lived set of
+        namespaces, so that every process run this way on a host shares its /dev/shm
+        (``argv`` gives each command a fresh one)."""
+        holder = self._holders.get(i)
+        if holder is None or holder.poll() is not None:
+            holder = self._holders[i] = self.popen(i, ["sleep", "infinity"])
+            deadline = time.monotonic() + 10
+            while not self._entered(holder.pid, i):
+                if time.monotonic() > deadline or holder.poll() is not None:
+                    raise HarnessError(f"the namespace holder of {self.hostnames[i]} did not "
+                                       "start")
+                time.sleep(0.05)
+        return ["nsenter", "-t", str(holder.pid), "-m", "-u", "-n", *command]
+
+    def _entered(self, pid: int, i: int) -> bool:
+        # The holder has exec'd its way into sleep (after hostname and mount): ready.
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                return f.read().strip() == "sleep"
+        except OSError:
+            return False
+
     def popen(self, i: int, command: Sequence[str], env: dict[str, str] | None = None,
               log_path: str | None = None, **kwargs: Any) -> subprocess.Popen:
         """Start ``command`` on host ``i`` in its own process group (see ``stop``)."""
@@ -342,6 +366,9 @@ class NetnsHosts:
         if not self._started:
             return
         self._started = False
+        for holder in self._holders.values():
+            stop(holder)
+        self._holders.clear()
         for ns in self.namespaces:
             _sh(["ip", "netns", "del", ns], check=False)
             shutil.rmtree(os.path.join(_NETNS_ETC, ns), ignore_errors=True)

@@ -4,9 +4,11 @@ against the communicator contract, and the rule deciding where it applies."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
+from hvd_spark.collectives.tcp import hierarchical
 from hvd_spark.collectives.tcp.hierarchical import HierarchicalCommunicator, host_grid
 from tests.contract.communicator_contract import CommunicatorContract, run_parallel
 from tests.contract.test_tcp_contract import make_tcp
@@ -73,6 +75,40 @@ def test_the_cross_rings_carry_one_slice_each():
 
         for out in run_parallel(comms, body):
             np.testing.assert_allclose(out, 4 * np.arange(1001) + 6)  # summed; scaled later
+    finally:
+        for c in comms:
+            c.close()
+
+
+class TestHierarchicalPipelined(CommunicatorContract):
+    """Blocks of 4 KB: every all-reduce above goes through the overlapped block pipeline."""
+
+    size = 4
+
+    @pytest.fixture(autouse=True)
+    def _small_blocks(self, monkeypatch):
+        monkeypatch.setattr(hierarchical, "PIPELINE_BLOCK_BYTES", 4096)
+
+    def make(self, size):
+        flats, found = make_hierarchical([2, 2])
+        assert found == [(2, 2)] * 4
+        return [HierarchicalCommunicator(c, 2, 2) for c in flats]
+
+
+def test_a_large_buffer_is_pipelined_and_exact():
+    flats, _ = make_hierarchical([2, 2])
+    comms = [HierarchicalCommunicator(c, 2, 2) for c in flats]
+    n = 3 * hierarchical.PIPELINE_BLOCK_BYTES // 4 + 12_345  # four blocks, the last short
+    try:
+        def body(c):
+            pieces = [np.full(1000, c.rank + 1.0, np.float32),
+                      (np.arange(n - 1000) % 1000).astype(np.float32) * (c.rank + 1)]
+            c.allreduce(SegmentedBuffer(pieces), ops.Sum)
+            return pieces
+
+        for head, tail in run_parallel(comms, body):
+            assert (head == 10.0).all()
+            np.testing.assert_array_equal(tail, (np.arange(n - 1000) % 1000) * 10.0)
     finally:
         for c in comms:
             c.close()

@@ -11,12 +11,16 @@ them), an all-reduce runs in three phases over the flat communicator's own links
 
 Each host then sends and receives 2(H-1)/H of the buffer over the network, where the
 flat ring of L*H ranks sends 2(LH-1)/(LH); and it takes 2(L-1)+2(H-1) ring steps
-instead of 2(LH-1). Everything else (other collectives, process sets) stays flat.
+instead of 2(LH-1). Large buffers flow through the phases in blocks, so the shared-memory
+phases of one block overlap the network phase of another. Everything else (other
+collectives, process sets) stays flat.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,8 +29,14 @@ from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.tcp.communicator import TcpCommunicator
+from hvd_spark.errors import CollectiveTimeoutError
 
 log = logging.getLogger(__name__)
+
+# Buffers larger than this go through the phases block by block, overlapped (see
+# ``_pipelined``); smaller ones in one pass.
+PIPELINE_BLOCK_BYTES = 4 << 20
+_FALLBACK_TIMEOUT_S = 300.0
 
 # Operations whose three-phase result equals the flat ring's (element-wise and associative).
 _ELEMENTWISE = {ops.ReduceOp.Sum, ops.ReduceOp.Average, ops.ReduceOp.Min, ops.ReduceOp.Max,
@@ -76,12 +86,75 @@ class HierarchicalCommunicator(Communicator):
         if op not in _ELEMENTWISE or buf.size < self.local_size:
             self.flat.allreduce(buf, op)
             return
-        counts = even_counts(buf.size, self.local_size)
-        self.local.reducescatter(buf, op, counts)
+        step = max(self.local_size, PIPELINE_BLOCK_BYTES // buf.itemsize)
+        blocks = [SegmentedBuffer(buf.views(lo, min(buf.size, lo + step)))
+                  for lo in range(0, buf.size, step)]
+        if len(blocks) == 1:
+            self._reduce_scatter(blocks[0], op)
+            self.cross.allreduce(self._my_slice(blocks[0]), op)
+            self.local.allgather(blocks[0], even_counts(blocks[0].size, self.local_size))
+        else:
+            self._pipelined(blocks, op)
+
+    def _reduce_scatter(self, block: SegmentedBuffer, op: ops.ReduceOp) -> None:
+        self.local.reducescatter(block, op, even_counts(block.size, self.local_size))
+
+    def _my_slice(self, block: SegmentedBuffer) -> SegmentedBuffer:
+        counts = even_counts(block.size, self.local_size)
         start = sum(counts[: self.local_rank])
-        mine = buf.views(start, start + counts[self.local_rank])
-        self.cross.allreduce(SegmentedBuffer(mine), op)
-        self.local.allgather(buf, counts)
+        return SegmentedBuffer(block.views(start, start + counts[self.local_rank]))
+
+    def _pipelined(self, blocks: list[SegmentedBuffer], op: ops.ReduceOp) -> None:
+        """Blocks flow through the phases: while the network reduces block k, this thread
+        reduce-scatters block k+1 and all-gathers block k-1 over shared memory.
+
+        Each link is used by one thread only (the local ring here, the cross ring in
+        the helper) in an order fixed by the block numbers, the same on every rank.
+        """
+        ready: queue.SimpleQueue = queue.SimpleQueue()  # block numbers; None: stop
+        done: queue.SimpleQueue = queue.SimpleQueue()  # (block, error or None)
+
+        def cross_loop() -> None:
+            while (k := ready.get()) is not None:
+                try:
+                    self.cross.allreduce(self._my_slice(blocks[k]), op)
+                except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+                    done.put((k, exc))
+                    return
+                done.put((k, None))
+
+        helper = threading.Thread(target=cross_loop, name="hvd-hier-cross", daemon=True)
+        helper.start()
+        try:
+            for k in range(len(blocks) + 1):
+                if k < len(blocks):
+                    self._reduce_scatter(blocks[k], op)
+                    ready.put(k)
+                if k > 0:
+                    self._wait(done, k - 1)
+                    self.local.allgather(blocks[k - 1],
+                                         even_counts(blocks[k - 1].size, self.local_size))
+        finally:
+            ready.put(None)
+            helper.join(self._deadline_s())
+
+    def _wait(self, done: queue.SimpleQueue, k: int) -> None:
+        try:
+            got, error = done.get(timeout=self._deadline_s())
+        except queue.Empty:
+            raise CollectiveTimeoutError(
+                f"the cross-host all-reduce of block {k} did not finish within "
+                f"{self._deadline_s():.0f} s") from None
+        if error is not None:
+            raise error
+        assert got == k
+
+    def _deadline_s(self) -> float:
+        # Every wait of the helper is bounded by its sockets' timeout (the collective
+        # timeout); this bound only matters if the helper itself is stuck.
+        timeouts = [getattr(getattr(link, "sock", None), "gettimeout", lambda: None)()
+                    for link in self.cross.links.values()]
+        return max([t for t in timeouts if t] or [_FALLBACK_TIMEOUT_S]) + 5.0
 
     def reducescatter(self, buf: SegmentedBuffer, op: ops.ReduceOp, counts: Sequence[int]) -> None:
         self.flat.reducescatter(buf, op, counts)

@@ -1,0 +1,167 @@
+"""``python -m hvd_spark.bench allreduce --hosts H --ranks-per-host R [--bandwidth 1gbit]``.
+
+Builds H namespace hosts (``netns_hosts``) with shaped links, starts R ranks on each
+(the launcher's rendezvous store on the bridge, every rank in its host's namespaces),
+and times all-reduce of each size three ways on the same hosts and links: hvd_spark
+hierarchical, hvd_spark flat ring, and torch Gloo (in the flat run's processes, in
+alternation). Needs root (see ``netns_hosts.problem``).
+
+busbw = 2(N-1)/N x bytes / time (comparable across N). For H hosts the network-bound
+limit of algbw (bytes / time) is the link rate x H / (2(H-1)): the link rate for 2 hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import socket
+import sys
+from typing import Any
+
+import numpy as np
+
+from hvd_spark.bench.allreduce import _busbw, _human, _iters, _time_loop, parse_size
+from hvd_spark.bench.netns_hosts import LinkShape, NetnsHosts, rate_bits
+from hvd_spark.errors import ConfigError, WorkerFailedError
+
+_RESULT = "BENCHRESULT "
+DEFAULT_SIZES = "1M,64M"
+
+
+def _gloo(hvd, address: str) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    port = None
+    if hvd.rank() == 0:
+        with socket.socket() as s:
+            s.bind((address, 0))
+            port = s.getsockname()[1]
+    where = hvd.broadcast_object((address, port), 0)
+    dist.init_process_group("gloo", init_method=f"tcp://{where[0]}:{where[1]}",
+                            rank=hvd.rank(), world_size=hvd.size())
+    return torch, dist
+
+
+def rank_main(opts: dict) -> None:
+    """One rank: time our all-reduce (and Gloo's when asked); rank 0 prints the rows."""
+    import hvd_spark.collectives as hvd
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    address = socket.gethostbyname(socket.gethostname())
+    gloo = _gloo(hvd, address) if opts["gloo"] else None
+
+    def reduce_max(seconds: float) -> float:
+        return float(hvd.allreduce(np.array([seconds]), name="bench.t", op=hvd.Max)[0])
+
+    rows = []
+    for nbytes in opts["sizes"]:
+        arr = np.zeros(nbytes // 4, np.float32)
+        iters = _iters(nbytes, opts["budget"])
+        row = {"bytes": arr.nbytes, "iters": iters}
+        for _ in range(opts["rounds"]):  # alternate, so drift in the machine hits both
+            row.setdefault("hvd", []).append(_time_loop(
+                lambda a=arr: hvd.allreduce_(a, name="bench.a", op=hvd.Sum), iters,
+                hvd.barrier, reduce_max))
+            if gloo is not None:
+                torch, dist = gloo
+                tensor = torch.zeros(arr.size, dtype=torch.float32)
+                row.setdefault("gloo", []).append(_time_loop(
+                    lambda t=tensor, d=dist: d.all_reduce(t), iters, dist.barrier, reduce_max))
+        rows.append({k: min(v) if isinstance(v, list) else v for k, v in row.items()})
+    kind = type(api._engine.comm).__name__
+    if gloo is not None:
+        gloo[1].destroy_process_group()
+    if hvd.rank() == 0:
+        print(_RESULT + json.dumps({"size": hvd.size(), "comm": kind, "rows": rows}), flush=True)
+
+
+def _launch(net: NetnsHosts, ranks_per_host: int, env: dict[str, str], opts: dict) -> dict:
+    """Run ``rank_main`` on every host's ranks; rank 0's result."""
+    from hvd_spark.runner.hosts import HostSlots, place_ranks
+    from hvd_spark.runner.ssh_launcher import SshJob
+
+    class NamespaceJob(SshJob):
+        def command_for(self, info, command):
+            host = net.addrs.index(info.host)
+            return net.joined_argv(host, [sys.executable, "-m",
+                                          "hvd_spark.runner.remote_rank", *command])
+
+    placement = place_ranks([HostSlots(a, ranks_per_host) for a in net.addrs],
+                            net.count * ranks_per_host)
+    out = io.StringIO()
+    with NamespaceJob(placement, env, stdout=out, stderr=sys.stderr) as job:
+        job.start([sys.executable, "-m", "hvd_spark.bench.multihost_allreduce",
+                   "--rank-worker", json.dumps(opts)])
+        failures = job.wait(expect_reports=False)
+    if failures:
+        raise WorkerFailedError(failures)
+    for line in out.getvalue().splitlines():
+        if _RESULT in line:
+            return json.loads(line.split(_RESULT, 1)[1])
+    raise ConfigError(f"rank 0 printed no result; its output:\n{out.getvalue()[-2000:]}")
+
+
+def measure(hosts: int, ranks_per_host: int, shape: LinkShape, sizes: list[int],
+            budget: float, rounds: int = 2) -> dict:
+    """Hierarchical and flat runs (Gloo with the flat one) on one set of hosts."""
+    opts = {"sizes": sizes, "budget": budget, "rounds": rounds}
+    with NetnsHosts(hosts, shape) as net:
+        hier = _launch(net, ranks_per_host, {"HVD_SPARK_HIERARCHICAL_ALLREDUCE": "1"},
+                       {**opts, "gloo": False})
+        flat = _launch(net, ranks_per_host, {"HVD_SPARK_HIERARCHICAL_ALLREDUCE": "0"},
+                       {**opts, "gloo": True})
+    return {"hosts": hosts, "ranks_per_host": ranks_per_host, "shape": shape.describe(),
+            "link_bits": rate_bits(shape.bandwidth) if shape.bandwidth else None,
+            "hier": hier, "flat": flat}
+
+
+def format_table(result: dict) -> str:
+    """Rows per size: time and busbw of each, ratios, algbw against the link."""
+    n = result["hier"]["size"]
+    hosts = result["hosts"]
+    link = result["link_bits"]
+    limit = link / 8 * hosts / (2 * (hosts - 1)) / 1e9 if link and hosts > 1 else None
+    lines = [f"allreduce on {hosts} hosts x {result['ranks_per_host']} ranks ({n} ranks), links "
+             f"{result['shape']}; float32 Sum in place; GB/s (busbw = 2(N-1)/N x bytes / time)"
+             + (f"; network limit of algbw {limit:.3f} GB/s" if limit else ""),
+             f"hierarchical: {result['hier']['comm']}; flat: {result['flat']['comm']}",
+             f"{'size':>6} | {'hier ms':>8} {'busbw':>6} {'algbw':>6} | {'flat ms':>8} "
+             f"{'busbw':>6} | {'gloo ms':>8} {'busbw':>6} | {'x gloo':>6} {'x flat':>6}"
+             + (f" {'% link':>6}" if limit else "")]
+    flat_rows = {r["bytes"]: r for r in result["flat"]["rows"]}
+    for row in result["hier"]["rows"]:
+        b = row["bytes"]
+        h, f = row["hvd"], flat_rows[b]["hvd"]
+        g = flat_rows[b].get("gloo", float("nan"))
+        line = (f"{_human(b):>6} | {h * 1e3:8.1f} {_busbw(b, h, n):6.3f} {b / h / 1e9:6.3f} | "
+                f"{f * 1e3:8.1f} {_busbw(b, f, n):6.3f} | {g * 1e3:8.1f} {_busbw(b, g, n):6.3f} | "
+                f"{g / h:6.2f} {f / h:6.2f}")
+        if limit:
+            line += f" {b / h / 1e9 / limit * 100:5.0f}%"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``--hosts`` form of ``python -m hvd_spark.bench allreduce``."""
+    if args.hosts < 2 or args.ranks_per_host < 1:
+        raise ConfigError("--hosts must be at least 2 and --ranks-per-host at least 1")
+    shape = LinkShape(args.bandwidth, args.delay)
+    sizes = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES).split(",")]
+    result = measure(args.hosts, args.ranks_per_host, shape, sizes, args.budget_mb * 1e6)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--rank-worker":
+        rank_main(json.loads(sys.argv[2]))
+        sys.exit(0)
+    sys.exit("python -m hvd_spark.bench allreduce --hosts H ... starts this module's ranks")
