@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 BYE_WAIT_S = 10.0
 # Idle cycles come at least this often (with a cycle time of 0, a busy loop otherwise).
 _MIN_TICK_S = 0.5e-3
+# After a cycle that ran something, how long to poll for the next submission.
+_LINGER_S = 200e-6
 
 
 def _row(name: str, kind: str) -> str:
@@ -76,6 +78,7 @@ class MpiEngine:
         self._stopping = False
         self._bye_since: dict[int, float] = {}  # rank 0: who said goodbye, when
         self._first_ready: float | None = None
+        self._busy_since: float | None = None  # the last cycle that ran something
         self._subcomms: dict[tuple[int, ...], Communicator] = {}
         self.executed_responses = 0
         self.executed_tensors = 0
@@ -158,7 +161,7 @@ class MpiEngine:
 
     def _cycle(self) -> bool:
         """One negotiation round and its operations; True when the engine stops."""
-        self._wakeup.wait(self._tick)
+        self._await_work()
         self._wakeup.clear()
         if self._failure is not None:
             raise self._failure
@@ -171,14 +174,28 @@ class MpiEngine:
         answer = self._negotiation.round(payload, self._decide)
         self.cycles += 1
         if not answer:
+            self._busy_since = None
             return False
         responses, stop = pickle.loads(answer)
+        self._busy_since = time.monotonic() if responses else None
         for response in responses:
             self._execute(response)
         if stop is not None:
             self._stop(stop)
             return True
         return False
+
+    def _await_work(self) -> None:
+        """Until a submission or the tick. Right after a busy cycle, first poll briefly
+        (releasing the GIL each time): a training loop's next collective usually comes
+        within microseconds, and waking a sleeping thread costs more than that."""
+        if self._busy_since is not None:
+            until = time.monotonic() + _LINGER_S
+            while time.monotonic() < until:
+                if self._queue or self._wakeup.is_set():
+                    return
+                time.sleep(0)  # lets the caller's thread take the GIL to submit
+        self._wakeup.wait(self._tick)
 
     # -- rank 0: the coordinator's side
 

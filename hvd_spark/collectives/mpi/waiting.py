@@ -1,8 +1,9 @@
 """Waiting for MPI requests with a deadline, and the abort notices that end a wait early.
 
 MPI has no timeouts and a blocking MPI call cannot be interrupted, so every wait here
-polls a non-blocking request: it spins briefly (small messages complete within
-microseconds), then yields the CPU between polls, then sleeps in growing steps so a
+polls a non-blocking request: it spins for a millisecond (small messages complete
+within microseconds, and a yield on a loaded machine can lose the CPU for a whole
+time slice), then yields the CPU between polls, then sleeps in growing steps so a
 long wait costs little CPU. Each
 wait also watches the abort channel: a rank that fails or closes its backend tells
 every peer, and their waits end at once instead of at the timeout.
@@ -19,8 +20,8 @@ from mpi4py import MPI
 from hvd_spark.errors import CollectiveTimeoutError, PeerDisconnectedError
 
 ABORT_TAG = 77
-_SPIN_S = 50e-6
-_YIELD_S = 2e-3
+_SPIN_S = 1e-3
+_YIELD_S = 3e-3
 _MAX_SLEEP_S = 1e-3
 _PROBE_EVERY = 64
 
