@@ -19,6 +19,7 @@ from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import worker
 from hvd_spark.runner.failures import WorkerFailure
+from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.progress_events import PROGRESS
 from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks
@@ -71,7 +72,9 @@ class DriverService:
             worker.REPORT: self._on_report,
             EXIT: self._on_exit,
             TASK_ERROR: self._on_task_error,
+            BEAT: self._on_beat,
         })
+        self._heartbeats: HeartbeatMonitor | None = None
 
     @property
     def addr(self) -> str:
@@ -148,6 +151,21 @@ class DriverService:
     def _on_task_error(self, partition: int, failure: WorkerFailure) -> None:
         self.events.put(("task_error", partition, failure))
 
+    def watch_heartbeats(self, limit: float) -> None:
+        """Declare a rank lost after ``limit`` s without a heartbeat (event ``silent``)."""
+        if limit > 0 and self._heartbeats is None:
+            self._heartbeats = HeartbeatMonitor(
+                limit, lambda rank, seconds: self.events.put(("silent", rank, seconds)))
+
+    def _on_beat(self, worker: str, generation: int) -> str | None:
+        monitor = self._heartbeats
+        return monitor.beat(worker, generation) if monitor is not None else None
+
+    def abort_ranks(self, reason: str) -> None:
+        """Answer every rank's next heartbeat with ``reason``: their collectives fail now."""
+        if self._heartbeats is not None:
+            self._heartbeats.abort(reason)
+
     def set(self, key: str, value: Any) -> None:
         """Publish a value the ranks can fetch (e.g. the pickled function)."""
         self.server.set(key, value)
@@ -162,6 +180,8 @@ class DriverService:
     def close(self) -> None:
         """Stop the tasks (if still running) and the server."""
         self.stop()
+        if self._heartbeats is not None:
+            self._heartbeats.close()
         self.server.close()
 
     def __enter__(self) -> DriverService:

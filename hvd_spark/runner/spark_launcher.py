@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from hvd_spark import _env
+from hvd_spark.collectives.heartbeat import DEFAULT_HEARTBEAT_S
 from hvd_spark.errors import (
     ConfigError,
     HvdSparkError,
@@ -122,6 +124,18 @@ def check_cluster(sc: Any, num_proc: int) -> None:
             "lower num_proc, or add executors/cores; all ranks must run at the same time")
 
 
+def heartbeat_limit(user_env: dict[str, str]) -> float:
+    """The ranks' heartbeat limit: the run's ``env``, else the driver's, else 10 s."""
+    value = user_env.get(_env.HEARTBEAT)
+    if value:
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(
+                f"{_env.HEARTBEAT}={value!r} in env is not a number of seconds") from None
+    return _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
+
+
 def driver_hosts(sc: Any) -> tuple[str, str]:
     """(interface to bind, address tasks dial) for the driver's service."""
     if isinstance(sc, ConnectContext):
@@ -157,6 +171,11 @@ class SparkLaunch:
                  start_timeout: float) -> None:
         self.spark = spark
         self.service = service
+        # The ranks beat to the driver service: a frozen rank or a host cut off fails the
+        # run within the heartbeat limit, not the collective timeout.
+        limit = heartbeat_limit(spec.env)
+        spec = dataclasses.replace(spec, env={**spec.env, _env.HEARTBEAT: str(limit)})
+        service.watch_heartbeats(limit)
         self.spec = spec
         self.start_timeout = start_timeout
         self.num_proc = service.num_proc
@@ -274,6 +293,12 @@ class SparkLaunch:
             if torn_down:
                 value = dataclasses.replace(value, secondary=True)
             out.failures.setdefault(key, value)
+        elif kind == "silent":
+            failure = WorkerFailure(key, host, (
+                f"rank {key} sent no heartbeat for {value:.0f} s: its process or executor froze "
+                "or died, or its host is unreachable"), lost=True)
+            out.failures.setdefault(key, failure)
+            self.service.abort_ranks(failure.message)
         elif kind == "spark_done":
             out.spark_done, out.spark_error = True, value
 

@@ -125,3 +125,30 @@ def test_a_bug_in_fn_ends_the_elastic_run_with_its_traceback(spark):
 def test_min_np_above_the_task_slots_is_refused_before_starting(spark):
     with pytest.raises(ConfigError, match="min_np=5"):
         hvd_spark.run_elastic(lambda: 1, num_proc=5, min_np=5)
+
+
+def test_a_frozen_rank_under_hvd_spark_run_fails_the_run_within_the_heartbeat(spark):
+    """Fixed-size runs beat too: a frozen rank is the named root cause in seconds."""
+    import time
+
+    def fn():
+        import os
+        import signal
+
+        import numpy as np
+
+        import hvd_spark.collectives as hvd
+
+        hvd.init()
+        hvd.allreduce(np.ones(4))
+        if hvd.rank() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        hvd.allreduce(np.ones(4))
+
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        hvd_spark.run(fn, num_proc=2, start_timeout=60,
+                      env={"HVD_SPARK_HEARTBEAT_S": "3", "HVD_SPARK_TIMEOUT": "300"})
+    assert time.monotonic() - started < 120  # not the 300 s collective timeout
+    root = info.value.root_cause
+    assert root.rank == 1 and "sent no heartbeat" in root.message and root.lost
