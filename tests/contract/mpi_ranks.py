@@ -22,6 +22,7 @@ from hvd_spark.collectives.tcp import wire
 
 ADDR_VAR = "HVD_TEST_MPI_PROXY_ADDR"
 SECRET_VAR = "HVD_TEST_MPI_PROXY_SECRET"
+TIMEOUT_VAR = "HVD_TEST_MPI_PROXY_TIMEOUT"
 
 
 def _buffer(pieces: list[np.ndarray], dtype: str) -> SegmentedBuffer:
@@ -55,7 +56,8 @@ def main() -> int:
     host, port = wire.parse_addr(os.environ[ADDR_VAR])
     secret = bytes.fromhex(os.environ[SECRET_VAR])
     world = MPI.COMM_WORLD
-    comm = MpiCommunicator(world.Dup(), timeout=60.0, abort=AbortChannel(world.Dup()))
+    timeout = float(os.environ.get(TIMEOUT_VAR, "60"))
+    comm = MpiCommunicator(world.Dup(), timeout=timeout, abort=AbortChannel(world.Dup()))
     sock = wire.connect((host, port), secret, 60.0, "the test process")
     wire.send_obj(sock, comm.rank, "test")
     serve(comm, sock)

@@ -75,13 +75,14 @@ class ProxyCommunicator(Communicator):
         self.sock.close()
 
 
-def start_mpi_ranks(size: int) -> tuple[list[ProxyCommunicator], subprocess.Popen]:
-    """mpirun ``size`` rank servers; return their proxies in rank order."""
+def start_mpi_ranks(size: int, timeout: float = 60.0
+                    ) -> tuple[list[ProxyCommunicator], subprocess.Popen]:
+    """mpirun ``size`` rank servers (collective deadline ``timeout``); return their proxies."""
     secret = secrets.token_bytes(32)
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(60)
     env = {mpi_ranks.ADDR_VAR: f"127.0.0.1:{listener.getsockname()[1]}",
-           mpi_ranks.SECRET_VAR: secret.hex(),
+           mpi_ranks.SECRET_VAR: secret.hex(), mpi_ranks.TIMEOUT_VAR: str(timeout),
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     args, full_env = mpirun_command(size, [sys.executable, "-m", "tests.contract.mpi_ranks"], env)
     full_env.pop("HVD_SPARK_BACKEND", None)
@@ -135,6 +136,24 @@ def test_a_rank_that_left_fails_the_other_promptly():
         with pytest.raises(errors.CollectiveError, match="rank 1"):
             comms[0].allreduce(SegmentedBuffer([np.ones(4)]), 1)
         assert time.monotonic() - start < 10
+    finally:
+        for c in comms:
+            c.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_a_collective_nobody_joins_fails_at_its_deadline():
+    """MPI has no timeouts; ours do: a lone allreduce raises CollectiveTimeoutError."""
+    comms, proc = start_mpi_ranks(2, timeout=2.0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(errors.CollectiveTimeoutError, match="did not complete"):
+            comms[0].allreduce(SegmentedBuffer([np.ones(4)]), 1)
+        assert 1.5 < time.monotonic() - start < 20
     finally:
         for c in comms:
             c.close()
