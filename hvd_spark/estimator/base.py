@@ -22,9 +22,10 @@ from pyspark.ml.util import MLReadable, MLWritable
 from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator import progress, recovery, transform
+from hvd_spark.estimator import recovery, transform
 from hvd_spark.estimator.params import SHARED_PARAMS, KeywordParams, define_params
 from hvd_spark.estimator.persistence import PickledReader, PickledWriter
+from hvd_spark.estimator.run_record import RunRecord
 from hvd_spark.estimator.train_spec import TrainSpec, batch_shape
 from hvd_spark.runner.backend import Backend, SparkBackend
 from hvd_spark.runner.console import verbose_logging
@@ -165,18 +166,21 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
                               f"({len(labels)}), got {shapes!r}")
         return [batch_shape(s, "label_shapes") for s in shapes]
 
-    def _backend(self, progress: Any = None) -> Backend:
-        """The user's backend, or a SparkBackend of ``num_proc`` ranks (Horovod's rule)."""
+    def _backend(self, record: RunRecord | None = None) -> Backend:
+        """The user's backend, or a SparkBackend of ``num_proc`` ranks (Horovod's rule);
+        a SparkBackend feeds ``record`` (bars, rank logs, TensorBoard)."""
+        hooks = ({"progress": record.progress, "on_output": record.output}
+                 if record is not None else {})
         backend, num_proc = self.value("backend"), self.value("num_proc")
         if backend is not None and num_proc is not None:
             raise ConfigError('at most one of the parameters "backend" and "num_proc" may be '
                               "given: set num_proc on the backend (SparkBackend(num_proc=...))")
         use_gpu = None if self.value("use_gpu") else False
         if backend is None:
-            return SparkBackend(num_proc, verbose=self.value("verbose"), progress=progress,
-                                use_gpu=use_gpu)
+            return SparkBackend(num_proc, verbose=self.value("verbose"), use_gpu=use_gpu,
+                                **hooks)
         if isinstance(backend, SparkBackend):
-            return backend.with_options(progress=progress, use_gpu=use_gpu)
+            return backend.with_options(use_gpu=use_gpu, **hooks)
         if not (callable(getattr(backend, "run", None))
                 and callable(getattr(backend, "num_processes", None))):
             raise ConfigError(f"backend must be a Backend (run and num_processes methods), "
@@ -310,8 +314,8 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             extra=self._extra(),
             checkpoint_every_steps=self.value("checkpoint_every_steps"),
         )
-        bars = progress.TrainingProgress(spec.epochs) if self.value("verbose") >= 1 else None
-        backend = self._backend(bars)
+        record = RunRecord(store, run_id, spec.epochs, self.value("verbose"))
+        backend = self._backend(record)
         if payload is None:
             payload = self._checked_payload()
         try:
@@ -319,8 +323,7 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             results = recovery.run_with_retries(backend, self._worker(), spec, payload,
                                                 self._worker_env(), self.value("max_retries"))
         finally:
-            if bars is not None:
-                bars.close()
+            record.close()
         return self._make_model(results[0], run_id)
 
     def _resume_epoch(self, store: Store, run_id: str) -> int:

@@ -39,13 +39,13 @@ def average_over_ranks(record: dict[str, Any]) -> dict[str, Any]:
 
 def report(record: dict[str, Any], epochs: int, verbose: int) -> None:
     """Rank 0's end of an epoch: an ``epoch`` progress event to the driver, which keeps it
-    as one line under its progress bar; without a driver that takes events (``hvdrun``),
-    one ``epoch e/epochs: metrics`` line on stdout instead."""
-    if verbose < 1:
-        return
+    as one line under its progress bar (with ``verbose >= 1``) and in TensorBoard; without
+    a driver that takes events (``hvdrun``), one ``epoch e/epochs: metrics`` line on
+    stdout instead."""
     metrics = {k: v for k, v in record.items() if k != "epoch"}
+    # Sent whatever ``verbose`` says: the driver also writes it for TensorBoard.
     if progress_events.send(0, {"kind": "epoch", "epoch": record["epoch"], "epochs": epochs,
-                                "metrics": metrics}):
+                                "metrics": metrics}) or verbose < 1:
         return
     text = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
     sys.stdout.write(f"epoch {record['epoch']}/{epochs}: {text}\n")
@@ -54,10 +54,11 @@ def report(record: dict[str, Any], epochs: int, verbose: int) -> None:
 
 def step(verbose: int, epoch: int, step_done: int, steps: int | None, loss: float,
          samples: int, elapsed: float) -> None:
-    """Rank 0 after a training step: a (rate-limited) ``step`` event for the driver's bar.
+    """Rank 0 after a training step: a (rate-limited) ``step`` event for the driver's bar
+    and TensorBoard.
 
     Args:
-        verbose: The fit's verbosity; below 1 nothing is sent.
+        verbose: The fit's verbosity (the driver decides what to draw).
         epoch: The epoch, counted from 1.
         step_done: Steps finished in this epoch.
         steps: Steps per epoch, when known.
@@ -65,7 +66,7 @@ def step(verbose: int, epoch: int, step_done: int, steps: int | None, loss: floa
         samples: Rows trained on in this epoch, over all ranks.
         elapsed: Seconds since the epoch started.
     """
-    if verbose >= 1:
-        progress_events.send(0, {"kind": "step", "epoch": epoch, "step": step_done,
-                                 "steps": steps, "loss": loss, "samples": samples,
-                                 "elapsed": elapsed})
+    del verbose  # kept in the signature: the workers pass it, the driver decides
+    progress_events.send(0, {"kind": "step", "epoch": epoch, "step": step_done,
+                             "steps": steps, "loss": loss, "samples": samples,
+                             "elapsed": elapsed})

@@ -238,7 +238,7 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
                       float((logs or {}).get("loss", 0.0)),
                       (batch + 1) * spec.batch_size * hvd.size(), time.monotonic() - started)
 
-    progress = [StepProgress()] if hvd.rank() == 0 and spec.verbose >= 1 else []
+    progress = [StepProgress()] if hvd.rank() == 0 else []
     with tempfile.TemporaryDirectory(prefix="hvd_spark_keras_") as workdir:
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), FiniteLoss(),
                      hvd.callbacks.MetricAverageCallback(), EpochEnd(), *progress,

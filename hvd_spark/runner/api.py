@@ -114,6 +114,7 @@ def run(
     use_mpi: bool | None = None,
     use_gloo: bool | None = None,
     progress: Callable[[int, dict[str, Any]], None] | None = None,
+    on_output: Callable[[int, str, str], None] | None = None,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks; results in rank order.
 
@@ -143,6 +144,8 @@ def run(
         progress: Receives the structured progress events that training loops send
             (``hvd_spark.runner.progress_events.send``) as ``(rank, event)``, on a
             thread of the driver service; the Estimators draw them as a progress bar.
+        on_output: Also receives every output line of the ranks as ``(rank, "stdout" or
+            "stderr", line)``; the Estimators keep them as per-rank files in the Store.
 
     Returns:
         ``fn``'s return values, index = rank.
@@ -160,6 +163,7 @@ def run(
         fn, args=args, kwargs=kwargs, num_proc=num_proc, start_timeout=start_timeout, env=env,
         stdout=stdout, stderr=stderr, verbose=verbose, use_gpu=use_gpu,
         prefix_output_with_timestamp=prefix_output_with_timestamp, progress=progress,
+        on_output=on_output,
     ).results
 
 
@@ -176,6 +180,7 @@ def run_with_report(
     use_gpu: bool | None = None,
     prefix_output_with_timestamp: bool = False,
     progress: Callable[[int, dict[str, Any]], None] | None = None,
+    on_output: Callable[[int, str, str], None] | None = None,
 ) -> RunReport:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, with timings.
 
@@ -183,7 +188,8 @@ def run_with_report(
     """
     with verbose_logging(verbose):
         return _run_with_report(fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr,
-                                verbose, use_gpu, prefix_output_with_timestamp, progress)
+                                verbose, use_gpu, prefix_output_with_timestamp, progress,
+                                on_output)
 
 
 def _run_with_report(
@@ -191,6 +197,7 @@ def _run_with_report(
     start_timeout: float | None, env: dict[str, str] | None, stdout: IO[str] | None,
     stderr: IO[str] | None, verbose: int, use_gpu: bool | None,
     prefix_output_with_timestamp: bool, progress: Callable[[int, dict[str, Any]], None] | None,
+    on_output: Callable[[int, str, str], None] | None,
 ) -> RunReport:
     payload = pickle_job(fn, args, kwargs)
     user_env = _check_env(env)
@@ -205,7 +212,7 @@ def _run_with_report(
     bind_host, advertise_host = spark_launcher.driver_hosts(sc)
     level = logging.INFO if verbose >= 1 else logging.DEBUG
     output = OutputForwarder(stdout or sys.stdout, stderr or sys.stderr,
-                             timestamps=prefix_output_with_timestamp)
+                             timestamps=prefix_output_with_timestamp, tee=on_output)
     secret = secrets.token_bytes(32)
     started = time.monotonic()
     with DriverService(num_proc, secret, bind_host, advertise_host, output,

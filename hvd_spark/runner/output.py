@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import IO
 
 
@@ -13,11 +14,15 @@ class OutputForwarder:
     Args:
         stdout, stderr: Destination streams (a notebook's cell output by default).
         timestamps: Start each line with the driver's local time of receipt.
+        tee: Also receives every line as ``(rank, stream, line)`` (e.g. to keep per-rank
+            log files); its errors are not the run's.
     """
 
-    def __init__(self, stdout: IO[str], stderr: IO[str], timestamps: bool = False) -> None:
+    def __init__(self, stdout: IO[str], stderr: IO[str], timestamps: bool = False,
+                 tee: Callable[[int, str, str], None] | None = None) -> None:
         self._streams = {"stdout": stdout, "stderr": stderr}
         self._timestamps = timestamps
+        self._tee = tee
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -28,6 +33,11 @@ class OutputForwarder:
         with self._lock:
             target.write(f"{stamp}[{rank}] {line.rstrip(chr(10))}\n")
             target.flush()
+            if self._tee is not None:
+                try:
+                    self._tee(rank, stream, line.rstrip("\n"))
+                except Exception:  # noqa: BLE001 - a log copy must not stop the output
+                    self._tee = None
 
     def follow(self, rank: int, out_pipe: IO[bytes], err_pipe: IO[bytes]) -> None:
         """Start forwarding a rank's two pipes until they close."""
