@@ -65,10 +65,13 @@ class DeviceAwareCommunicator(Communicator):
         return self._device
 
     def _form(self, device_id: int) -> Communicator:
-        raw = allgather_bytes(self.host, f"{self.hostname}\n{bus_id(device_id)}".encode())
-        devices = {r: tuple(b.decode().split("\n", 1)) for r, b in enumerate(raw)}
-        self.plan = plan = selection.plan(self.rank, devices, self.setting,
-                                          nccl_ok=library.nccl_version() > 0)
+        nccl_here = int(library.nccl_version() > 0)
+        mine = f"{self.hostname}\n{bus_id(device_id)}\n{nccl_here}"
+        facts = [b.decode().split("\n") for b in allgather_bytes(self.host, mine.encode())]
+        devices = {r: (host, bus) for r, (host, bus, _) in enumerate(facts)}
+        # NCCL only if every rank can load it: the ranks must all choose the same path.
+        nccl_ok = all(flag == "1" for _, _, flag in facts)
+        self.plan = plan = selection.plan(self.rank, devices, self.setting, nccl_ok=nccl_ok)
         log.info("rank %d: CUDA tensors go by %s (%s)", self.rank, plan.mode, plan.reason)
         # The engine thread's cupy work (packing, scaling, outputs, staging copies) goes to
         # the tensors' device, on the collective stream: after the producers' events, before
