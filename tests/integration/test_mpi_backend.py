@@ -61,3 +61,14 @@ def test_a_shutdown_on_one_rank_stops_the_others_with_the_reason():
     proc = _hvdrun_mpi(2, "early_shutdown")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK early_shutdown") == 2
+
+
+def test_timeline_under_mpi(tmp_path):
+    path = tmp_path / "timeline.json"
+    proc = _hvdrun_mpi(2, "latency", HVD_SPARK_TIMELINE=str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    events = json.loads(path.read_text())
+    names = {e.get("name") for e in events if isinstance(e, dict)}
+    assert "NEGOTIATE_ALLREDUCE" in names and "ALLREDUCE" in names, sorted(map(str, names))[:20]
