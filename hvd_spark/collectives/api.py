@@ -57,15 +57,17 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     Run without a launcher (a plain ``python train.py``), this is a one-rank job.
 
     Args:
-        comm: Horovod's MPI communicator argument; only None (or every rank, as a list
-            of ranks equal to the whole job) is supported: launch with hvdrun instead.
+        comm: Horovod's MPI communicator argument: an mpi4py communicator in ranks that
+            mpirun started (the job is that communicator's ranks), or None (or every rank,
+            as a list of ranks equal to the whole job).
         process_sets: Process sets to add at start (Horovod's static process sets).
     """
     global _world, _engine
-    if comm is not None and not isinstance(comm, (list, tuple)):
+    mpi_comm = comm if registry.is_mpi_communicator(comm) else None
+    if comm is not None and mpi_comm is None and not isinstance(comm, (list, tuple)):
         raise ConfigError(
-            "init(comm=...) with an MPI communicator is not supported: hvd_spark forms its own "
-            "ring; start the ranks with hvdrun or hvd_spark.run and call init()")
+            f"init(comm=...) takes an mpi4py communicator or a list of ranks, got "
+            f"{type(comm).__name__}; start the ranks with hvdrun or hvd_spark.run and call init()")
     with _lock:
         if _engine is not None:
             return
@@ -74,10 +76,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         _env.warn_unsupported_horovod_vars()  # one log line naming what cannot be honoured
         backend = _env.get_str(_env.BACKEND, "auto") or "auto"
         factory = registry.resolve(backend)
-        own_world = registry.own_world(backend)
+        own_world = registry.own_world(backend, mpi_comm)
         if own_world is not None:
             # mpirun started the ranks (hvdrun --mpi): MPI itself forms the job and runs it.
-            world, _engine, hosts = own_world(config)
+            world, _engine, hosts = own_world(config, mpi_comm)
         elif elastic.is_elastic():
             member = elastic.membership()
             _start_heartbeat(member.addr, member.secret, member.worker)

@@ -45,12 +45,26 @@ def launched_by_mpirun() -> bool:
     return any(var in os.environ for var in _MPI_LAUNCHER_VARS)
 
 
-def own_world(name: str) -> Callable | None:
+def is_mpi_communicator(comm: object) -> bool:
+    """True for an mpi4py communicator (Horovod's ``init(comm=...)``), without importing it."""
+    return comm is not None and type(comm).__module__.startswith("mpi4py")
+
+
+def own_world(name: str, mpi_comm: object = None) -> Callable | None:
     """The job-forming ``start`` of backend ``name``, or None for backends joining a mesh.
 
     "auto" means MPI in processes started by mpirun (as Horovod's ``mpirun python
     train.py``) when mpi4py is installed, TCP elsewhere.
+
+    Raises:
+        ConfigError: ``mpi_comm`` was given but this job does not run over MPI.
     """
+    if mpi_comm is not None and name == "auto":
+        name = "mpi"
+    if mpi_comm is not None and (name != "mpi" or not launched_by_mpirun()):
+        raise ConfigError(
+            "init(comm=<MPI communicator>) needs ranks started by mpirun (hvdrun --mpi or "
+            f"mpirun) and the mpi backend ({_env.BACKEND}={name!r} here)")
     if name == "auto":
         mpi = launched_by_mpirun() and importlib.util.find_spec("mpi4py") is not None
         name = "mpi" if mpi else "tcp"

@@ -108,5 +108,20 @@ def latency() -> None:
     hvd.shutdown()
 
 
+def sub_communicators() -> None:
+    """Horovod's init(comm=...): each half of the ranks forms its own job."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    sub = world.Split(color=world.Get_rank() % 2, key=world.Get_rank())
+    hvd.init(comm=sub)
+    assert hvd.size() == sub.Get_size() and hvd.rank() == sub.Get_rank()
+    total = hvd.allreduce(np.array([world.Get_rank() + 1.0]), op=ops.Sum)[0]
+    want = sum(r + 1.0 for r in range(world.Get_size()) if r % 2 == world.Get_rank() % 2)
+    assert total == want, (total, want)
+    hvd.shutdown()
+    print(f"OK sub_communicators size {sub.Get_size()}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

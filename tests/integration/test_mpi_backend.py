@@ -72,3 +72,10 @@ def test_timeline_under_mpi(tmp_path):
     events = json.loads(path.read_text())
     names = {e.get("name") for e in events if isinstance(e, dict)}
     assert "NEGOTIATE_ALLREDUCE" in names and "ALLREDUCE" in names, sorted(map(str, names))[:20]
+
+
+def test_init_with_an_mpi_sub_communicator():
+    proc = _hvdrun_mpi(3, "sub_communicators")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("OK sub_communicators size 2") == 2
+    assert proc.stdout.count("OK sub_communicators size 1") == 1

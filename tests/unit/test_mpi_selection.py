@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -112,3 +113,27 @@ def test_build_queries_outside_an_mpi_job():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.stdout.split() == ["True", "False", "False", "False"], proc.stderr
+
+
+def test_init_with_an_mpi_communicator_outside_mpirun_is_a_config_error():
+    code = ("from mpi4py import MPI\n"
+            "import hvd_spark.collectives as hvd\n"
+            "from hvd_spark.errors import ConfigError\n"
+            "try:\n"
+            "    hvd.init(comm=MPI.COMM_WORLD)\n"
+            "except ConfigError as exc:\n"
+            "    print('refused:', exc)\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HVD_SPARK_", "OMPI_", "PMIX_", "PMI_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert "refused: init(comm=<MPI communicator>) needs ranks started by mpirun" in proc.stdout, (
+        proc.stdout + proc.stderr)
+
+
+def test_init_with_something_else_names_what_it_takes():
+    import hvd_spark.collectives as hvd
+    from hvd_spark.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mpi4py communicator or a list of ranks, got object"):
+        hvd.init(comm=object())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import socket
 import time
+from typing import Any
 
 from mpi4py import MPI
 
@@ -23,8 +24,14 @@ from hvd_spark.config import DEFAULT_START_TIMEOUT_S, EngineConfig, WorldInfo
 from hvd_spark.errors import BackendUnavailableError
 
 
-def start(config: EngineConfig) -> tuple[WorldInfo, MpiEngine, dict[int, str]]:
+def start(config: EngineConfig, comm: Any = None
+          ) -> tuple[WorldInfo, MpiEngine, dict[int, str]]:
     """Join the MPI job: returns this rank's world, its running engine, and rank -> host.
+
+    Args:
+        config: The engine's settings.
+        comm: The mpi4py communicator whose ranks form the job (Horovod's
+            ``init(comm=...)``; duplicated, never used directly); None: ``MPI.COMM_WORLD``.
 
     Raises:
         BackendUnavailableError: The MPI library cannot serve a background thread.
@@ -35,7 +42,7 @@ def start(config: EngineConfig) -> tuple[WorldInfo, MpiEngine, dict[int, str]]:
             "the MPI library was initialized without thread support (MPI_THREAD_SERIALIZED or "
             "more is needed: the collectives run in a background thread); do not set "
             "mpi4py.rc.thread_level below 'serialized'")
-    world = MPI.COMM_WORLD
+    world = MPI.COMM_WORLD if comm is None else comm
     rank, size = world.Get_rank(), world.Get_size()
     start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
     # MPI's communicator calls below block without a deadline: first make sure every rank
