@@ -34,3 +34,7 @@ def test_notebook_runs(path, tmp_path):
                           if o.get("output_type") == "stream").replace("\r", "\n")
         assert re.search(r"^epoch 4/4: .*loss=", streams, re.M), \
             "the progress bar must reach the last epoch"
+    if "progress" in path.stem:
+        images = [o for c in nb.cells for o in c.get("outputs", [])
+                  if "image/png" in o.get("data", {})]
+        assert images, "the history plot must be drawn"
