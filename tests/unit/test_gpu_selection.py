@@ -180,3 +180,16 @@ class TestHostStagingContract(CommunicatorContract):
 class TestDeviceAwareRoutesHostBuffersToTheHost(CommunicatorContract):
     def make(self, size):
         return [DeviceAwareCommunicator(c, "h", "auto") for c in make_tcp(size, use_shm=True)]
+
+
+def test_the_routing_layer_shows_the_host_backends_attributes():
+    comms = make_tcp(2, use_shm=False)
+    try:
+        routed = DeviceAwareCommunicator(comms[0], "h", "auto")
+        assert routed.name == "tcp" and routed.links is comms[0].links
+        assert routed.plan is None  # no device collective yet
+        with pytest.raises(AttributeError):
+            routed.no_such_attribute  # noqa: B018
+    finally:
+        for c in comms:
+            c.close()

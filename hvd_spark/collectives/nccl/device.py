@@ -55,6 +55,12 @@ class DeviceAwareCommunicator(Communicator):
         self._device: Communicator | None = None
         self._staging = HostStagingCommunicator(host)
 
+    def __getattr__(self, name: str) -> Any:
+        # The host backend's own attributes (a TCP ring's links, ...) stay visible.
+        if name == "host":
+            raise AttributeError(name)
+        return getattr(self.host, name)
+
     # ------------------------------------------------------------------ forming the path
 
     def device_path(self, device_id: int) -> Communicator:
