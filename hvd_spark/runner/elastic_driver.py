@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 JOIN = "elastic.join"
 VERSION = "elastic.version"
 BEAT = "beat"
+DESCRIBE = "elastic.describe"
 _CHECK_PERIOD_S = 0.25
 
 
@@ -126,6 +127,7 @@ class ElasticDriver:
         self.resets = 0
         self.finished = False
         self._last_beat: dict[str, float] = {}
+        self._labels: dict[str, str] = {}
         self._started = time.monotonic()
         self._closed = threading.Event()
         self._checker = threading.Thread(target=self._check_loop, name="hvd-elastic", daemon=True)
@@ -135,7 +137,13 @@ class ElasticDriver:
 
     def handlers(self) -> dict[str, Callable]:
         """The store request kinds this driver serves."""
-        return {JOIN: self.join, VERSION: self.current_version, BEAT: self.beat}
+        return {JOIN: self.join, VERSION: self.current_version, BEAT: self.beat,
+                DESCRIBE: self.describe}
+
+    def describe(self, worker: str, label: str) -> None:
+        """Name what hosts ``worker`` (e.g. "Spark executor 2"), for the messages."""
+        with self._cond:
+            self._labels[worker] = f", {label}"
 
     def join(self, worker: str, host: str, last_generation: int) -> dict:
         """Block until ``worker`` has a place in a generation newer than ``last_generation``.
@@ -283,8 +291,9 @@ class ElasticDriver:
         self._last_beat.pop(worker, None)
         if worker in self.members and not self.finished:
             rank = self.members[worker].rank
-            self._break(f"rank {rank} (worker {worker} on {host}) {reason}")
-            self._on_event(f"rank {rank} (worker {worker} on {host}) lost: {reason}")
+            who = f"worker {worker}{self._labels.get(worker, '')} on {host}"
+            self._break(f"rank {rank} ({who}) {reason}")
+            self._on_event(f"rank {rank} ({who}) lost: {reason}")
         self._cond.notify_all()
         return [(worker, reason)]
 

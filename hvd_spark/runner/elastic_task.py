@@ -29,6 +29,7 @@ from hvd_spark.errors import HvdSparkError
 
 # The barrier task's helpers (child start-up, output relay, stop watcher) are reused as is.
 from hvd_spark.runner import spark_task
+from hvd_spark.runner.elastic_driver import DESCRIBE
 
 WORKER_EXIT = "elastic.exit"
 OUTPUT_SCHEMA = "partition long, returncode long"
@@ -84,6 +85,21 @@ def worker_env(base: dict[str, str], spec: ElasticTaskSpec, worker: str,
     return env
 
 
+def executor_label() -> str:
+    """"Spark executor N (pid P)" for the executor JVM above this process, or ""."""
+    pid = os.getpid()
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for _ in range(8):  # task thread -> python worker (-> daemon) -> executor JVM
+            with open(f"/proc/{pid}/stat") as stat:
+                pid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as cmd:
+                args = cmd.read().split(b"\0")
+            if b"--executor-id" in args:
+                executor = args[args.index(b"--executor-id") + 1].decode()
+                return f"Spark executor {executor} (pid {pid})"
+    return ""
+
+
 def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int) -> int:
     """Host worker ``<partition>.<attempt>`` until it ends; return its exit code."""
     host = socket.gethostname()
@@ -91,6 +107,9 @@ def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int) -> int:
     client = StoreClient(wire.parse_addr(spec.driver_addr), spec.secret, spec.start_timeout)
     proc: subprocess.Popen | None = None
     try:
+        label = executor_label()
+        if label:
+            client.call(DESCRIBE, worker, label, timeout=wire.HANDSHAKE_TIMEOUT_S)
         proc = subprocess.Popen(
             [sys.executable, "-m", "hvd_spark.runner.worker"],
             env=worker_env(dict(os.environ), spec, worker, host),

@@ -98,7 +98,10 @@ def test_an_executor_killed_mid_training_does_not_end_the_run(spark_three_execut
                                     start_timeout=120, stdout=out, stderr=err)
     log = err.getvalue()
     assert out.killed is not None, out.text.getvalue()
-    assert re.search(r"rank \d \(worker 1\.0 on \S+\) lost", log), log
+    # The driver names the rank, the worker (task 1, attempt 0), its executor and host.
+    lost = re.search(r"rank \d \(worker 1\.0, Spark executor \d+ \(pid (\d+)\) on \S+\) lost",
+                     log)
+    assert lost and int(lost.group(1)) == out.killed, log
     assert re.search(r"generation 2: 2 ranks", log), log
     size = len(results)
     assert size in (2, 3)  # 3 when Spark's retry of the lost task joined before the end
