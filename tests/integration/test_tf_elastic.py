@@ -11,7 +11,7 @@ import numpy as np
 
 from hvd_spark.runner.elastic_local import run_elastic_local
 
-_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "HVD_SPARK_HEARTBEAT_S": "5", "CUDA_VISIBLE_DEVICES": ""}
+_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _custom_loop(steps: int, wait_for_size: int) -> dict:
@@ -115,10 +115,16 @@ def _keras_fit(epochs: int, wait_for_size: int) -> dict:
     y = x @ np.array([[1.0], [-2.0], [3.0], [0.5]], "float32")
     keras.utils.set_random_seed(10 + hvd.rank())  # different starting weights: sync aligns
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.02, momentum=0.5)), "mse")
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.006 * hvd.size(), momentum=0.5))
+    model.compile(opt, "mse")
     state = hvd.elastic.KerasState(model, epoch=0, batch=0)
     out: dict = {"starts": [], "epochs": [], "resets": []}
-    state.register_reset_callbacks([lambda: out["resets"].append(hvd.size())])
+
+    def on_reset():  # Horovod's recipe: scale the learning rate by the new size
+        out["resets"].append(hvd.size())
+        model.optimizer.learning_rate.assign(0.006 * hvd.size())
+
+    state.register_reset_callbacks([on_reset])
     worker = os.environ["HVD_SPARK_WORKER_ID"]
 
     class Kill(keras.callbacks.Callback):
@@ -150,6 +156,7 @@ def _keras_fit(epochs: int, wait_for_size: int) -> dict:
     train(state)
     out.update(rank=hvd.rank(), size=hvd.size(), epoch=state.epoch, worker=worker,
                iterations=int(model.optimizer.iterations.numpy()),
+               lr=float(model.optimizer.learning_rate.numpy()),
                weights=[np.asarray(w).tolist() for w in model.get_weights()])
     return out
 
@@ -162,6 +169,7 @@ def test_keras_fit_with_the_elastic_callbacks_finishes_all_epochs_after_a_kill()
         err.getvalue())
     first, second = results
     assert first["weights"] == second["weights"]
+    assert np.isclose(first["lr"], 0.012) and np.isclose(second["lr"], 0.012)
     for r in results:
         assert r["epochs"] == [(1, 3), (2, 2), (3, 2), (4, 2)]
         assert r["resets"] == [2]
@@ -185,6 +193,7 @@ def test_keras_replacement_joins_at_a_commit_and_the_ring_grows_back_to_3():
     assert [r["worker"] for r in results] == ["0", "2", "3"]
     assert results[0]["weights"] == results[1]["weights"] == results[2]["weights"]
     assert len({r["iterations"] for r in results}) == 1
+    assert all(np.isclose(r["lr"], 0.018) for r in results)
     assert len({r["epoch"] for r in results}) == 1 and 4 <= results[0]["epoch"] < 150
     newcomer = results[2]
     assert newcomer["resets"] == [] and len(newcomer["starts"]) == 1
