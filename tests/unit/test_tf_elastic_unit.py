@@ -144,3 +144,16 @@ def test_size_in_a_graph_is_read_when_it_runs():
     assert isinstance(kernel.size_tensor(hvd.global_process_set), int)
     assert int(traced()) == hvd.size()
     assert isinstance(traced.get_concrete_function().structured_outputs, tf.Tensor)
+
+
+def test_horovods_elastic_names_in_both_namespaces():
+    import hvd_spark.tensorflow as tfhvd
+    from hvd_spark.keras.elastic import KerasState, run
+
+    names = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState",
+             "KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
+             "UpdateEpochStateCallback"]
+    for name in names:
+        assert getattr(tfhvd.elastic, name) is getattr(hvd.elastic, name), name
+    assert KerasState is tfhvd.elastic.KerasState and run is tfhvd.elastic.run
+    assert issubclass(KerasState, tfhvd.elastic.State)
