@@ -98,16 +98,22 @@ _TAG = re.compile(r"^\[(?:\d+,)?(\d+)\](?:<(?:stdout|stderr|stddiag)>:)? ?(.*)$"
 
 def _relabel(pipe: IO[bytes], stream: str, forwarder: OutputForwarder) -> None:
     """Copy mpirun's tagged lines as ``[rank] line``, as hvdrun prints local ranks'."""
+    readers_gone = False
     with pipe:
         for raw in iter(pipe.readline, b""):
+            if readers_gone:
+                continue  # keep draining, or mpirun would block on a full pipe
             line = raw.decode("utf-8", errors="replace")
             match = _TAG.match(line)
-            if match:
-                forwarder.write(int(match.group(1)), stream, match.group(2))
-            else:  # mpirun's own messages
-                target = sys.stdout if stream == "stdout" else sys.stderr
-                target.write(line)
-                target.flush()
+            try:
+                if match:
+                    forwarder.write(int(match.group(1)), stream, match.group(2))
+                else:  # mpirun's own messages
+                    target = sys.stdout if stream == "stdout" else sys.stderr
+                    target.write(line)
+                    target.flush()
+            except (BrokenPipeError, ValueError):  # our reader left (| head), or closed
+                readers_gone = True
 
 
 def run_mpirun(num_proc: int, command: Sequence[str], env: dict[str, str],

@@ -2,9 +2,10 @@
 
 MPI has no timeouts and a blocking MPI call cannot be interrupted, so every wait here
 polls a non-blocking request: it spins for a millisecond (small messages complete
-within microseconds, and a yield on a loaded machine can lose the CPU for a whole
-time slice), then yields the CPU between polls, then sleeps in growing steps so a
-long wait costs little CPU. Each
+within microseconds, and giving the CPU away on a loaded machine can lose it for a time
+slice: 2 ranks on 2 busy cores, 1 KB allreduce 1.8-3 ms against 9-10 ms with a 100 us
+spin), then yields the CPU between polls, then sleeps in growing steps. An idle engine
+costs about 4% of a core either way: its waits are mostly between cycles, not in them. Each
 wait also watches the abort channel: a rank that fails or closes its backend tells
 every peer, and their waits end at once instead of at the timeout.
 """
