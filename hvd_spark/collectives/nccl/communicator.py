@@ -9,6 +9,7 @@ them through the host.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,9 @@ from hvd_spark.collectives.nccl.fusion import FusionBuffer
 from hvd_spark.errors import CollectiveError
 
 log = logging.getLogger(__name__)
+
+# How long close() lets queued NCCL work finish before aborting it.
+_CLOSE_WAIT_S = 30.0
 
 _NCCL_TYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
                "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
@@ -205,7 +209,19 @@ class NcclCommunicator(Communicator):
             self.nccl_comm.abort()
 
     def close(self) -> None:
+        """Destroy the communicator once its queued work is done; abort it when that work
+        does not finish within the deadline (a peer died mid-collective: destroying would
+        wait for it forever)."""
         if not self._closed:
             self._closed = True
-            self.nccl_comm.destroy()
+            done = streams.done_event(self.device_id)
+            deadline = time.monotonic() + _CLOSE_WAIT_S
+            while not done.done and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if done.done:
+                self.nccl_comm.destroy()
+            else:
+                log.warning("rank %d: NCCL work still pending after %.0f s; aborting the NCCL "
+                            "communicator", self.rank, _CLOSE_WAIT_S)
+                self.nccl_comm.abort()
         self.fusion.release()
