@@ -193,3 +193,19 @@ def test_the_routing_layer_shows_the_host_backends_attributes():
     finally:
         for c in comms:
             c.close()
+
+
+def test_importing_the_device_path_imports_no_cupy_torch_or_mpi():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import hvd_spark.collectives, hvd_spark.collectives.device_ops\n"
+            "import hvd_spark.collectives.nccl.communicator, hvd_spark.collectives.nccl.ipc\n"
+            "import hvd_spark.collectives.nccl.hierarchical, hvd_spark.collectives.nccl.device\n"
+            "import hvd_spark.collectives.nccl.streams, hvd_spark.collectives.mpi\n"
+            "print(sorted(m for m in ('cupy', 'torch', 'mpi4py', 'tensorflow') "
+            "if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
