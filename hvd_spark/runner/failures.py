@@ -43,7 +43,9 @@ class WorkerFailure:
             host=host,
             message=f"{type(exc).__name__}: {exc}",
             traceback="".join(traceback.format_exception(exc)),
-            secondary=isinstance(exc, PeerDisconnectedError),
+            # TensorFlow re-raises a disconnect as its own error type, with our text.
+            secondary=(isinstance(exc, PeerDisconnectedError)
+                       or f"{PeerDisconnectedError.__name__}: " in str(exc)),
         )
 
     @classmethod

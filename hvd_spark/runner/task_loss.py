@@ -103,7 +103,7 @@ def lost_task_failures(
                 rank=rank, host=host_of.get(failed, "?"), message=_lost_message(verdict, failed,
                                                                                  bool(ranks)),
                 lost=verdict.executor is not None)
-            out = {r: f if r == rank or not f.message.startswith(_CONSEQUENCES)
+            out = {r: f if r == rank or not _consequence(f)
                    else dataclasses.replace(f, secondary=True) for r, f in out.items()}
     # Spark named no task and no rank failed by itself: this vanishing is all we know.
     primary = failed is None and all(f.secondary for f in out.values())
@@ -117,6 +117,13 @@ def lost_task_failures(
                      + (f": {verdict.summary}" if primary else
                         " (stopped when Spark aborted the barrier stage)")))
     return out
+
+
+def _consequence(failure: WorkerFailure) -> bool:
+    # Frameworks wrap our errors (TensorFlow: "UnknownError: Graph execution error: ...
+    # PeerDisconnectedError: ..."), so the name may come later in the message.
+    return failure.message.startswith(_CONSEQUENCES) or any(
+        f"{name}: " in failure.message for name in _CONSEQUENCES)
 
 
 def _lost_message(verdict: SparkVerdict, partition: int, assigned: bool) -> str:

@@ -103,3 +103,23 @@ def test_killed_process_is_lost_but_a_torn_down_one_is_not():
     assert WorkerFailure.from_exit(0, "h", -9, torn_down=False).lost
     assert not WorkerFailure.from_exit(0, "h", -15, torn_down=True).lost
     assert not WorkerFailure.from_exit(0, "h", 1, torn_down=False).lost
+
+
+def test_a_disconnect_wrapped_by_tensorflow_is_a_consequence():
+    ranks = _ranks()
+    survivor = ranks[1].rank
+    wrapped = WorkerFailure(survivor, "host-a", "UnknownError: Graph execution error: ... "
+                            "PeerDisconnectedError: collective 'g' cannot run", timestamp=1.0)
+    failures = lost_task_failures(read_verdict(RuntimeError(_EXECUTOR_LOST)),
+                                  {survivor: wrapped}, set(), ranks, 2)
+    assert failures[survivor].secondary
+    assert WorkerFailedError(list(failures.values())).root_cause.rank == ranks[0].rank
+
+
+def test_from_exception_marks_a_wrapped_disconnect_secondary():
+    class UnknownError(Exception):
+        pass
+
+    exc = UnknownError("Graph execution error: PeerDisconnectedError: rank 1 disconnected")
+    assert WorkerFailure.from_exception(0, "h", exc).secondary
+    assert not WorkerFailure.from_exception(0, "h", ValueError("bad shape")).secondary
