@@ -450,6 +450,9 @@ class SparkStandalone:
             env=master_env, stdin=subprocess.DEVNULL,
             stdout=open(self.log_path("master"), "ab"),  # noqa: SIM115 - the child owns it
             stderr=subprocess.STDOUT, start_new_session=True))
+        # A loaded machine can take longer to start a JVM than the driver and the
+        # workers retry registering: wait until the master listens.
+        self._wait_listening(addr, port, "master")
         for i in range(self.hosts.count):
             worker_dir = os.path.join(self.workdir, f"worker{i}")
             os.makedirs(worker_dir, exist_ok=True)
@@ -462,6 +465,16 @@ class SparkStandalone:
                     "--webui-port", "0"],
                 env=worker_env, log_path=self.log_path(f"worker{i}")))
         return self
+
+    def _wait_listening(self, addr: str, port: int, name: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection((addr, port), 1.0):
+                return
+            if time.monotonic() > deadline or self._procs[0].poll() is not None:
+                raise HarnessError(f"the Spark {name} did not listen on {addr}:{port} within "
+                                   f"{timeout:.0f} s; logs:\n{self.logs_tail()}")
+            time.sleep(0.2)
 
     def log_path(self, name: str) -> str:
         """Where the master's (``master``) or a worker's (``workerI``) output goes."""

@@ -34,7 +34,9 @@ def _placement():
     hvd.init()
     comm = api._engine.comm
     tcp_peers = sorted(p for p, link in comm.links.items() if isinstance(link, TcpLink))
-    return {"rank": hvd.rank(), "size": hvd.size(), "local": (hvd.local_rank(), hvd.local_size()),
+    addrs = sorted({comm.links[p].sock.getpeername()[0] for p in tcp_peers})
+    return {"addrs": addrs, "rank": hvd.rank(), "size": hvd.size(),
+            "local": (hvd.local_rank(), hvd.local_size()),
             "cross": (hvd.cross_rank(), hvd.cross_size()), "host": socket.gethostname(),
             "tcp_peers": tcp_peers, "shm_peers": comm.shm_peers}
 
@@ -58,6 +60,8 @@ def test_ranks_are_assigned_host_by_host(cluster):
         # Neighbours on the same host share memory; every other host is reached over TCP.
         assert set(got["shm_peers"]) <= same_host
         assert set(got["tcp_peers"]) >= set(range(n)) - same_host - {r}
+        # Without an interface setting, ranks use the address they reach the driver from.
+        assert set(got["addrs"]) <= set(net.addrs)
 
 
 def _collectives(nbig: int):
@@ -134,10 +138,10 @@ def test_torch_estimator_fits_across_hosts(cluster, tmp_path):
     est = TorchEstimator(
         num_proc=n, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.03),
         loss=torch.nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"],
-        batch_size=32, epochs=3, validation=0.2, store=str(tmp_path / "store"), verbose=0)
+        batch_size=32, epochs=2, validation=0.2, store=str(tmp_path / "store"), verbose=0)
     fitted = est.fit(_frame(spark, 1200, 0))
     history = fitted.getHistory()
-    assert len(history) == 3 and history[-1]["train"]["loss"] < history[0]["train"]["loss"]
+    assert len(history) == 2 and history[-1]["train"]["loss"] < history[0]["train"]["loss"]
     rows = fitted.transform(_frame(spark, 200, 1)).select("label", "label__output").collect()
     accuracy = np.mean([int(np.argmax(r["label__output"])) == r["label"] for r in rows])
     assert accuracy > 0.9
@@ -159,14 +163,11 @@ def test_the_interface_variable_picks_the_network(cluster):
     if "data1" not in net.interfaces:
         net.add_network("data1")
     data_addrs = net.interfaces["data1"]
-    for var in ("HVD_SPARK_IFACE", "HOROVOD_GLOO_IFACE"):
-        results = hvd_spark.run(_peer_addresses, num_proc=3, start_timeout=60,
-                                env={var: "data1"})
-        for peers in results:
-            assert len(peers) == 2 and set(peers) <= set(data_addrs), (var, peers)
-    # Without the variable, ranks use the address they reach the driver from (eth0).
-    for peers in hvd_spark.run(_peer_addresses, num_proc=3, start_timeout=60):
-        assert set(peers) <= set(net.addrs)
+    # HVD_SPARK_IFACE is hvdrun --network-interface's variable (test_hvdrun_hosts.py).
+    results = hvd_spark.run(_peer_addresses, num_proc=3, start_timeout=60,
+                            env={"HOROVOD_GLOO_IFACE": "data1"})
+    for peers in results:
+        assert len(peers) == 2 and set(peers) <= set(data_addrs), peers
 
 
 @pytest.mark.parametrize("cluster", [(3, 1)], ids=["3hostsx1"], indirect=True)
@@ -182,7 +183,61 @@ def test_a_wrong_interface_is_a_clear_error(cluster):
     message = str(caught.value)
     assert "advertised 172.31." in message and "HVD_SPARK_IFACE" in message, message
     assert "on host hvdhost" in message
-    with pytest.raises(WorkerFailedError,
-                       match=r"HVD_SPARK_IFACE='eth9'.*no such network interface"):
-        hvd_spark.run(_peer_addresses, num_proc=3, start_timeout=30,
-                      env={"HVD_SPARK_IFACE": "eth9"})
+
+
+def _reduce_until_cut(marker: str):
+    import time
+
+    import numpy as np
+
+    import hvd_spark.collectives as hvd
+
+    hvd.init()
+    grad = np.ones(1 << 20, np.float32)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        hvd.allreduce_(grad, name="grad", op=hvd.Average)
+        if hvd.rank() == 0:
+            open(marker, "a").close()  # the test cuts a link once this exists
+    return "never cut"
+
+
+# Last on the 3-host cluster: cutting a link may cost that host its Spark executor.
+@pytest.mark.parametrize("cluster", [(3, 1)], ids=["3hostsx1"], indirect=True)
+def test_a_link_cut_mid_allreduce_fails_both_sides_naming_the_host(cluster, tmp_path):
+    import os
+    import threading
+    import time
+
+    net, _, _ = cluster
+    marker = str(tmp_path / "reducing")
+    cut_at: list[float] = []
+    stop = threading.Event()
+
+    def cut_when_reducing():
+        while not stop.is_set():
+            if os.path.exists(marker):
+                net.set_link(2, up=False)
+                cut_at.append(time.monotonic())
+                return
+            time.sleep(0.05)
+
+    cutter = threading.Thread(target=cut_when_reducing)
+    cutter.start()
+    try:
+        with pytest.raises(WorkerFailedError) as caught:
+            hvd_spark.run(_reduce_until_cut, args=(marker,), num_proc=3, start_timeout=120,
+                          env={"HVD_SPARK_HEARTBEAT_S": "3", "HVD_SPARK_TIMEOUT": "100"})
+        took = time.monotonic() - cut_at[0]
+    finally:
+        stop.set()
+        cutter.join(5)
+        net.set_link(2, up=True)
+    message = str(caught.value)
+    # Within a few heartbeat intervals, far from the 100 s collective timeout.
+    assert took < 30, (took, message)
+    root = caught.value.root_cause
+    assert root.host == net.hostnames[2], message
+    assert f"rank {root.rank}" in message and "heartbeat" in message, message
+    # The ranks on the other side are stopped too: the Spark job ends with all three.
+    assert sorted(f.rank for f in caught.value.failures) == [0, 1, 2]
