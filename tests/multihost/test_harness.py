@@ -10,6 +10,7 @@ import pytest
 
 from hvd_spark.bench import netns_hosts
 from hvd_spark.bench.netns_hosts import LinkShape, NetnsHosts
+from tests.multihost.conftest import require_namespaces
 
 
 def _namespaces() -> set[str]:
@@ -79,8 +80,7 @@ def test_a_delay_is_netem_or_a_clear_error(bare_hosts):
 
 
 def test_everything_is_removed_also_when_the_body_fails():
-    if netns_hosts.problem():
-        pytest.skip(netns_hosts.problem())
+    require_namespaces()
     net = NetnsHosts(2)
     with pytest.raises(RuntimeError), net:
         assert set(net.namespaces) <= _namespaces() and net.bridge in _links()

@@ -13,6 +13,7 @@ import pytest
 
 from hvd_spark.bench import netns_hosts
 from hvd_spark.runner.ssh_launcher import SSH_OPTS
+from tests.multihost.conftest import require_namespaces
 
 _SCRIPT = textwrap.dedent("""
     import os, socket, sys, time
@@ -39,9 +40,7 @@ _SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def ssh_hosts():
-    why = netns_hosts.problem()
-    if why:
-        pytest.skip(f"multi-host harness unavailable: {why}")
+    require_namespaces()
     workdir = tempfile.mkdtemp(prefix="hvd-ssh-")
     with netns_hosts.NetnsHosts(3) as net:
         net.add_network("data1")
