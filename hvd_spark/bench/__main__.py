@@ -14,6 +14,7 @@ BENCHMARKS = {
     "reader": ("hvd_spark.bench.reader_bench", "Parquet reader rows/s vs a plain scan"),
     "transform": ("hvd_spark.bench.transform_bench", "Model.transform rows/s: Arrow vs pandas"),
     "elastic": ("hvd_spark.bench.elastic_bench", "elastic recovery time and commit cost"),
+    "paths": ("hvd_spark.bench.paths_bench", "allreduce in place vs out of place, per dtype"),
 }
 
 

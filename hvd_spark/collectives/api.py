@@ -301,20 +301,27 @@ def _fail_locally(kind: str, keys: list[str], exc: BaseException, members) -> No
 def _start(kind: str, name: str | None, process_set: ProcessSet, build) -> Handle:
     """Name, validate and submit one operation.
 
-    ``build(key, members)`` returns ``(request, working_array, finish or None)``. When it
-    raises, the failure is reported to the other ranks before it propagates.
+    ``build(key, members)`` returns ``(request, working_array, finish or None)``, and for
+    an out-of-place allreduce also the caller's input (``Entry.source``). When it raises,
+    the failure is reported to the other ranks before it propagates.
     """
     _, engine = _require()
     members = _members(process_set, kind if name is None else f"{kind} {name!r}")
     key = auto_name(kind, name, process_set)
     try:
-        request, work, finish = build(key, members)
+        entry = _entry(key, build(key, members))
     except (HvdSparkError, ValueError, TypeError) as exc:
         _fail_locally(kind, [key], exc, members)
-    entry = Entry(request, Handle(key), work)
+    return engine.submit(entry)
+
+
+def _entry(key: str, built: tuple) -> Entry:
+    """An Entry from what a build function returned (see ``_start``)."""
+    request, work, finish, *source = built
+    entry = Entry(request, Handle(key), work, source=source[0] if source else None)
     if finish is not None:
         entry.finish = finish
-    return engine.submit(entry)
+    return entry
 
 
 def _as_array(array: Any, what: str) -> np.ndarray:
@@ -376,12 +383,18 @@ def _allreduce_build(array, op, prescale, postscale, inplace: bool):
     def build(key: str, members):
         arr = _as_array(array, f"allreduce {key!r}")
         reduce_op = ReduceOp(op)
+        source = None
         if inplace:
             if not arr.flags.writeable:
                 raise CollectiveArgumentError(f"allreduce_ {key!r}: the array is read-only")
             work = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
-        else:
+        elif prescale != 1.0:
             work = np.array(arr, order="C", copy=True)
+        else:
+            # Out of place: the backend reads the caller's input where it can and writes
+            # a fresh array, instead of copying the input first (see Entry.source).
+            source = np.asarray(arr, order="C")  # (ascontiguousarray would make 0-d 1-d)
+            work = np.empty_like(source)
         check_reduction(work.dtype, reduce_op, prescale, postscale, key)
         if prescale != 1.0:
             if work is arr:
@@ -389,6 +402,8 @@ def _allreduce_build(array, op, prescale, postscale, inplace: bool):
             scale_in_place(work, prescale)
         request = m.Request(key, m.ALLREDUCE, _dtype_name(work.dtype), work.shape, int(reduce_op),
                             float(prescale), float(postscale), members=members)
+        if source is not None:
+            return request, work, None, source
         return request, work, (_in_place_finish(arr) if inplace else None)
 
     return build
@@ -430,11 +445,7 @@ def _many(kind: str, keys: list[str], builds: list, members) -> list[Handle]:
     entries = []
     try:
         for key, build in zip(keys, builds):
-            request, work, finish = build(key, members)
-            entry = Entry(request, Handle(key), work)
-            if finish is not None:
-                entry.finish = finish
-            entries.append(entry)
+            entries.append(_entry(key, build(key, members)))
     except (HvdSparkError, ValueError, TypeError) as exc:
         _fail_locally(kind, keys, exc, members)
     # One batch: the coordinator sees all of them at once and fuses them.

@@ -33,7 +33,11 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp) -> None:
-        """Reduce ``buf`` element-wise across ranks, in place (Average is summed)."""
+        """Reduce ``buf`` element-wise across ranks, in place (Average is summed).
+
+        Backends whose ``reads_source`` is True also take ``source=`` (a SegmentedBuffer
+        laid out as ``buf`` holding the inputs) and then need not find them in ``buf``.
+        """
 
     @abc.abstractmethod
     def reducescatter(self, buf: SegmentedBuffer, op: ops.ReduceOp, counts: Sequence[int]) -> None:
@@ -64,6 +68,9 @@ class Communicator(abc.ABC):
         time, in the same order on every rank.
         """
         raise BackendUnavailableError(f"the {self.name} backend does not support process sets")
+
+    #: Whether ``allreduce`` accepts ``source=`` (out of place with no copy of the input).
+    reads_source = False
 
     def abort(self) -> None:
         """Make operations blocked in another thread fail now (the job is breaking up).

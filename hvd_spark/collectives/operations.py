@@ -72,6 +72,8 @@ class Entry:
         array: Contiguous array the backend reads and writes.
         finish: Turns the final working array into the handle's result.
         submitted: ``time.monotonic()`` at submission.
+        source: For an out-of-place allreduce, the caller's input (contiguous, shaped
+            as ``array``); ``array`` is then uninitialised output that the backend fills.
     """
 
     request: Request
@@ -79,6 +81,13 @@ class Entry:
     array: np.ndarray
     finish: Callable[[np.ndarray], Any] = lambda a: a
     submitted: float = dataclasses.field(default_factory=time.monotonic)
+    source: np.ndarray | None = None
+
+    def materialize(self) -> None:
+        """Copy ``source`` into ``array`` (for paths that reduce in place)."""
+        if self.source is not None:
+            np.copyto(self.array, self.source)
+            self.source = None
 
 
 def _finish_reduction(arr: np.ndarray, request: Request, size: int) -> None:
@@ -109,20 +118,36 @@ def run_allreduce(comm: Communicator, entries: list[Entry],
 
     ``trace(activity)`` marks the start of each phase (for the timeline).
     """
+    reads_source = comm.reads_source and any(e.source is not None for e in entries)
+    if entries[0].request.op == ops.ReduceOp.Adasum or not reads_source:
+        for e in entries:
+            e.materialize()
     if entries[0].request.op == ops.ReduceOp.Adasum:
         trace("ADASUM_ALLREDUCE")
         return [run_adasum(comm, e) for e in entries]
+
+    def input_of(e: Entry) -> np.ndarray:
+        return (e.source if e.source is not None else e.array).reshape(-1)
+
     small = [e for e in entries if e.array.nbytes < _PACK_BELOW_BYTES]
     packed = None
-    pieces = [e.array.reshape(-1) for e in entries if e.array.nbytes >= _PACK_BELOW_BYTES]
+    big = [e for e in entries if e.array.nbytes >= _PACK_BELOW_BYTES]
+    pieces = [e.array.reshape(-1) for e in big]
+    inputs = [input_of(e) for e in big]
     if len(small) > 1:
         trace("MEMCPY_IN_FUSION_BUFFER")
-        packed = np.concatenate([e.array.reshape(-1) for e in small])
+        packed = np.concatenate([input_of(e) for e in small])
         pieces.append(packed)
+        inputs.append(packed)
     else:
         pieces += [e.array.reshape(-1) for e in small]
+        inputs += [input_of(e) for e in small]
     trace("RING_ALLREDUCE")
-    comm.allreduce(SegmentedBuffer(pieces), ops.ReduceOp(entries[0].request.op))
+    op = ops.ReduceOp(entries[0].request.op)
+    if reads_source:
+        comm.allreduce(SegmentedBuffer(pieces), op, source=SegmentedBuffer(inputs))
+    else:
+        comm.allreduce(SegmentedBuffer(pieces), op)
     trace("MEMCPY_OUT_FUSION_BUFFER")
     if packed is not None:
         offset = 0

@@ -93,9 +93,13 @@ def check_reduction(dtype: np.dtype, op: ReduceOp, prescale: float, postscale: f
             f"tensor {name!r} has dtype {dtype}: Adasum combines floating-point tensors only")
 
 
-def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp) -> None:
-    """``dst = op(dst, src)`` element-wise, in place (Average sums; scale afterwards)."""
-    _UFUNCS[op](dst, src, out=dst)
+def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp,
+                base: np.ndarray | None = None) -> None:
+    """``dst = op(base, src)`` element-wise (``base`` defaults to ``dst`` itself: in place).
+
+    Average sums; the caller scales afterwards.
+    """
+    _UFUNCS[op](dst if base is None else base, src, out=dst)
 
 
 def scale_in_place(arr: np.ndarray, factor: float) -> None:

@@ -68,6 +68,26 @@ def out_of_order_and_fusion() -> dict:
             "tensors": after[1] - before[1]}
 
 
+def out_of_place_mixes() -> dict:
+    """Out-of-place allreduces fused with in-place ones, big and small, (non-)contiguous."""
+    hvd.init()
+    r = hvd.rank()
+    big = np.arange(300_000, dtype=np.float32) * (r + 1)     # 1.2 MB: its own piece
+    small = [np.full(10, r + i, np.float64) for i in range(5)]  # packed together
+    strided = np.arange(40, dtype=np.float64).reshape(8, 5)[:, ::2] * (r + 1)
+    inplace = np.full(7, float(r + 1))
+    keep = [big.copy(), *[s.copy() for s in small], strided.copy()]
+    handles = [hvd.allreduce_async(big, name="big", op=hvd.Sum),
+               *[hvd.allreduce_async(s, name=f"s{i}", op=hvd.Sum) for i, s in enumerate(small)],
+               hvd.allreduce_async(strided, name="strided", op=hvd.Sum),
+               hvd.allreduce_async_(inplace, name="inplace", op=hvd.Sum)]
+    results = [hvd.synchronize(h) for h in handles]
+    unchanged = all(np.array_equal(a, b) for a, b in
+                    zip(keep, [big, *small, strided]))
+    one = hvd.allreduce(np.float32(2.5), name="scalar")
+    return {"results": results, "unchanged": unchanged, "inplace": inplace, "scalar": one}
+
+
 def batches_that_differ_by_rank() -> dict:
     """allreduce_many_async_: ranks batch different sets of names; every name still matches."""
     hvd.init()

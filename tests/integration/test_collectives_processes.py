@@ -70,6 +70,24 @@ def test_out_of_order_names_and_fusion():
     assert a["responses"] == b["responses"]
 
 
+@pytest.mark.parametrize("num_proc,env", [(2, {}), (3, {"HVD_SPARK_DISABLE_SHM": "1"})])
+def test_out_of_place_allreduce_fused_with_in_place_ones(num_proc, env):
+    """Out of place, the ring reads the caller's input: results right, inputs untouched."""
+    n = num_proc
+    total = sum(k + 1 for k in range(n))
+    for out in run_local(jobs.out_of_place_mixes, num_proc=n, env=env):
+        big, *small, strided, inplace_result = out["results"]
+        np.testing.assert_array_equal(big, np.arange(300_000, dtype=np.float32) * total)
+        for i, s in enumerate(small):
+            np.testing.assert_array_equal(s, np.full(10, sum(k + i for k in range(n)), float))
+        base = np.arange(40, dtype=np.float64).reshape(8, 5)[:, ::2]
+        np.testing.assert_array_equal(strided, base * total)
+        assert out["unchanged"]
+        np.testing.assert_array_equal(out["inplace"], np.full(7, float(total)))
+        assert inplace_result is out["inplace"] or np.array_equal(inplace_result, out["inplace"])
+        assert float(out["scalar"]) == 2.5
+
+
 def test_batched_in_place_allreduce_matches_by_name_across_different_batches():
     for out in run_local(jobs.batches_that_differ_by_rank, num_proc=2):
         # In place: a = 0+1, b = 1+2, c = 2+3, d = 3+4 on both ranks.

@@ -35,10 +35,11 @@ class MemoryLink(Link):
             v.view(np.uint8)[...] = np.frombuffer(data, np.uint8, v.nbytes, offset)
             offset += v.nbytes
 
-    def recv_reduce(self, views, op):
+    def recv_reduce(self, views, op, bases=None):
         data, offset = self._take(views), 0
-        for v in views:
-            ops.reduce_into(v, np.frombuffer(data, v.dtype, v.size, offset), op)
+        for i, v in enumerate(views):
+            ops.reduce_into(v, np.frombuffer(data, v.dtype, v.size, offset), op,
+                            None if bases is None else bases[i])
             offset += v.nbytes
 
     def close(self):

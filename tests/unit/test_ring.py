@@ -91,6 +91,33 @@ def test_allreduce_segmented_buffer_spanning_pieces():
             np.testing.assert_array_equal(piece, np.full(n, 6.0))
 
 
+@pytest.mark.parametrize("size", range(1, 6))
+@pytest.mark.parametrize("n", [0, 1, 7, 97, 1000])
+def test_out_of_place_allreduce_reads_the_input_and_fills_every_element(size, n):
+    """With source=, the output starts as garbage (NaN) and the input stays untouched."""
+    inputs = [_data(r, n, np.float64) for r in range(size)]
+    shapes = [n // 3, n - n // 3]
+
+    def body(rank, links):
+        src = inputs[rank].copy()
+        src_pieces = [src[: shapes[0]], src[shapes[0]:]]
+        out_pieces = [np.full(k, np.nan) for k in shapes]
+        ring.allreduce(SegmentedBuffer(out_pieces), ops.Sum, rank, size,
+                       links.get((rank - 1) % size), links.get((rank + 1) % size), 40,
+                       source=SegmentedBuffer(src_pieces))
+        assert src.tobytes() == inputs[rank].tobytes()
+        return np.concatenate(out_pieces)
+
+    outputs = run_ranks(size, body)
+    want = _reference(inputs, ops.Sum)
+    for out in outputs:
+        np.testing.assert_allclose(out, want, rtol=1e-12)
+        assert out.tobytes() == outputs[0].tobytes()
+    if size > 1:  # the same bits as the in-place ring: each element reduced in one order
+        _, in_place = _allreduce(size, n, np.float64, ops.Sum, chunk_bytes=40)
+        assert outputs[0].tobytes() == in_place[0].tobytes()
+
+
 @pytest.mark.parametrize("size", [2, 3, 4, 7])
 def test_reduce_scatter_leaves_own_segment(size):
     n = 29

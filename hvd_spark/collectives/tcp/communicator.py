@@ -71,8 +71,13 @@ class TcpCommunicator(Communicator):
         sub._owns_links = False
         return sub
 
-    def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp) -> None:
-        ring.allreduce(buf, op, self.rank, self.size, self.left, self.right, self.chunk_bytes)
+    #: ``allreduce`` takes ``source=``: out of place without copying the input first.
+    reads_source = True
+
+    def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp,
+                  source: SegmentedBuffer | None = None) -> None:
+        ring.allreduce(buf, op, self.rank, self.size, self.left, self.right, self.chunk_bytes,
+                       source)
 
     def reducescatter(self, buf: SegmentedBuffer, op: ops.ReduceOp, counts: Sequence[int]) -> None:
         if self.size > 1:

@@ -58,8 +58,13 @@ class Link(abc.ABC):
         """Receive exactly ``nbytes_of(views)`` bytes into the views."""
 
     @abc.abstractmethod
-    def recv_reduce(self, views: Sequence[np.ndarray], op: ops.ReduceOp) -> None:
-        """Receive values of the views' dtype and reduce them into the views in place."""
+    def recv_reduce(self, views: Sequence[np.ndarray], op: ops.ReduceOp,
+                    bases: Sequence[np.ndarray] | None = None) -> None:
+        """Receive values of the views' dtype and reduce them into the views.
+
+        With ``bases`` (arrays parallel to ``views``), ``view = op(base, incoming)``: an
+        out-of-place allreduce reads the caller's input there instead of a copy of it.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -146,16 +151,17 @@ class TcpLink(Link):
         for view in views:
             wire.recv_into_exact(self.sock, as_bytes(view), self._what)
 
-    def recv_reduce(self, views: Sequence[np.ndarray], op: ops.ReduceOp) -> None:
+    def recv_reduce(self, views: Sequence[np.ndarray], op: ops.ReduceOp,
+                    bases: Sequence[np.ndarray] | None = None) -> None:
         nbytes = nbytes_of(views)
         self._recv_header(nbytes)
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, np.uint8)
         wire.recv_into_exact(self.sock, memoryview(self._scratch[:nbytes]), self._what)
         offset = 0
-        for view in views:
+        for i, view in enumerate(views):
             incoming = self._scratch[offset : offset + view.nbytes].view(view.dtype)
-            ops.reduce_into(view, incoming, op)
+            ops.reduce_into(view, incoming, op, None if bases is None else bases[i])
             offset += view.nbytes
 
     def close(self) -> None:

@@ -26,16 +26,20 @@ def _exchange(
     recv_link: Link,
     recv_chunks: list,
     op: ops.ReduceOp | None,
+    base_chunks: list | None = None,
 ) -> None:
-    """Send ``send_chunks`` while receiving ``recv_chunks`` (reducing when ``op``)."""
+    """Send ``send_chunks`` while receiving ``recv_chunks`` (reducing when ``op``, onto
+    ``base_chunks`` when given: ``recv = op(base, incoming)``)."""
     for i in range(max(len(send_chunks), len(recv_chunks))):
         if i < len(send_chunks):
             send_link.send(send_chunks[i])
         if i < len(recv_chunks):
             if op is None:
                 recv_link.recv_into(recv_chunks[i])
-            else:
+            elif base_chunks is None:
                 recv_link.recv_reduce(recv_chunks[i], op)
+            else:
+                recv_link.recv_reduce(recv_chunks[i], op, base_chunks[i])
     send_link.wait_sent()
 
 
@@ -98,8 +102,14 @@ def allreduce(
     left: Link,
     right: Link,
     chunk_bytes: int,
+    source: SegmentedBuffer | None = None,
 ) -> None:
-    """Ring all-reduce in place: reduce-scatter, then all-gather, block by block.
+    """Ring all-reduce: reduce-scatter, then all-gather, block by block.
+
+    In place, or with ``source`` (the caller's inputs, laid out as ``buf``) out of
+    place: the first send and every first reduction of a segment read ``source``, so
+    ``buf`` needs no copy of the input beforehand (every element of ``buf`` is written
+    before it is read).
 
     The buffer is processed in blocks of ``size`` chunks, each going through the
     whole ring (reduce-scatter then all-gather) before the next. The message count
@@ -107,24 +117,39 @@ def allreduce(
     all-gather while it is still in cache from being reduced, which saves a trip to
     memory per byte.
     """
-    if size == 1 or buf.size == 0:
+    if buf.size == 0:
+        return
+    if size == 1:
+        if source is not None:
+            for dst, src in zip(buf.views(0, buf.size), source.views(0, source.size)):
+                np.copyto(dst, src)
         return
     block = size * max(1, chunk_bytes // buf.itemsize)
     for lo in range(0, buf.size, block):
         hi = min(buf.size, lo + block)
         segs = [(lo + a, lo + b) for a, b in segments_of(even_counts(hi - lo, size))]
-        _ring_steps(buf, op, rank, size, left, right, chunk_bytes, segs)
+        _ring_steps(buf, op, rank, size, left, right, chunk_bytes, segs, source)
 
 
-def _reduce_scatter_steps(buf, op, rank, size, left, right, chunk_bytes, segs) -> None:
-    """size-1 steps after which segment ``rank`` is reduced over all ranks."""
+def _reduce_scatter_steps(buf, op, rank, size, left, right, chunk_bytes, segs,
+                          source: SegmentedBuffer | None = None) -> None:
+    """size-1 steps after which segment ``rank`` is reduced over all ranks.
+
+    Each segment reaches each rank once, so with ``source`` a received segment is
+    reduced onto the caller's input, and only the first step sends from the input.
+    """
     for step in range(size - 1):
-        _exchange(right, _chunks(buf, segs[(rank - step - 1) % size], chunk_bytes),
-                  left, _chunks(buf, segs[(rank - step - 2) % size], chunk_bytes), op)
+        send_seg = segs[(rank - step - 1) % size]
+        recv_seg = segs[(rank - step - 2) % size]
+        send_from = source if source is not None and step == 0 else buf
+        bases = _chunks(source, recv_seg, chunk_bytes) if source is not None else None
+        _exchange(right, _chunks(send_from, send_seg, chunk_bytes),
+                  left, _chunks(buf, recv_seg, chunk_bytes), op, bases)
 
 
-def _ring_steps(buf, op, rank, size, left, right, chunk_bytes, segs) -> None:
-    _reduce_scatter_steps(buf, op, rank, size, left, right, chunk_bytes, segs)
+def _ring_steps(buf, op, rank, size, left, right, chunk_bytes, segs,
+                source: SegmentedBuffer | None = None) -> None:
+    _reduce_scatter_steps(buf, op, rank, size, left, right, chunk_bytes, segs, source)
     all_gather_segments(buf, segs, rank, size, left, right, chunk_bytes)
 
 

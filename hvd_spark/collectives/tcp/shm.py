@@ -152,13 +152,17 @@ class ShmLink(Link):
                 offset += dst.size
             self._release()
 
-    def recv_reduce(self, views: Sequence[np.ndarray], op: ops.ReduceOp) -> None:
-        for part in split_views(views, self.slot_bytes):
+    def recv_reduce(self, views: Sequence[np.ndarray], op: ops.ReduceOp,
+                    bases: Sequence[np.ndarray] | None = None) -> None:
+        parts = split_views(views, self.slot_bytes)
+        base_parts = (split_views(bases, self.slot_bytes) if bases is not None
+                      else [None] * len(parts))
+        for part, base_part in zip(parts, base_parts):
             slot = self._next_ready(nbytes_of(part))
             offset = 0
-            for view in part:
+            for i, view in enumerate(part):
                 incoming = slot[offset : offset + view.nbytes].view(view.dtype)
-                ops.reduce_into(view, incoming, op)
+                ops.reduce_into(view, incoming, op, None if base_part is None else base_part[i])
                 offset += view.nbytes
             self._release()
 
