@@ -13,6 +13,7 @@ BENCHMARKS = {
     "spark": ("hvd_spark.bench.spark_overhead", "hvd_spark.run overhead vs TorchDistributor"),
     "reader": ("hvd_spark.bench.reader_bench", "Parquet reader rows/s vs a plain scan"),
     "transform": ("hvd_spark.bench.transform_bench", "Model.transform rows/s: Arrow vs pandas"),
+    "scaling": ("hvd_spark.bench.scaling", "predicted efficiency on 8-512 hosts (needs root)"),
     "elastic": ("hvd_spark.bench.elastic_bench", "elastic recovery time and commit cost"),
     "paths": ("hvd_spark.bench.paths_bench", "allreduce in place vs out of place, per dtype"),
 }
