@@ -28,6 +28,8 @@ from hvd_spark.data.store import Store
 from hvd_spark.estimator import KerasEstimator, TorchEstimator
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
+# Each test fits twice and waits for a replacement executor: minutes on a loaded 2-core box.
+pytestmark = pytest.mark.timeout(900)
 
 _RESUMED = re.compile(r"rank (\d+) on host (\S+) lost: (.*); resuming from epoch (\d+)"
                       r"(?:, step (\d+))? with (\d+) ranks \(retry 1 of 3\)")
@@ -99,6 +101,7 @@ class Killer:
                     return
                 self.killed = executors[-1]
                 os.kill(self.killed, signal.SIGKILL)
+                print(f"killed executor JVM {self.killed}", flush=True)
                 return
             time.sleep(0.02)
         self.error = self.error or "the moment to kill never came"
