@@ -25,6 +25,8 @@ MPICH = "mpich"
 # Open MPI refuses root without these; containers often run as root (Horovod passes
 # --allow-run-as-root for the same reason).
 _OPEN_MPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+_FORWARDED_PREFIXES = ("HVD_SPARK_", "HOROVOD_")
+_FORWARDED = ("PYTHONPATH",)
 
 
 def find_mpirun() -> str:
@@ -75,7 +77,12 @@ def mpirun_command(num_proc: int, command: Sequence[str], env: dict[str, str],
     if num_proc < 1:
         raise ConfigError(f"num_proc must be at least 1, got {num_proc}")
     mpirun = mpirun or find_mpirun()
-    rank_env = {**env, _env.BACKEND: "mpi", "PYTHONUNBUFFERED": "1"}
+    # Our settings and Horovod's travel explicitly, so ranks on other hosts get them too
+    # (as horovodrun exports them); launcher variables of an enclosing job do not.
+    inherited = {k: v for k, v in os.environ.items()
+                 if (k.startswith(_FORWARDED_PREFIXES) or k in _FORWARDED)
+                 and k not in _env.LAUNCHER_VARS}
+    rank_env = {**inherited, **env, _env.BACKEND: "mpi", "PYTHONUNBUFFERED": "1"}
     full_env = {**os.environ, **rank_env}
     args = [mpirun, "-np", str(num_proc)]
     if implementation(mpirun) == OPEN_MPI:

@@ -63,6 +63,16 @@ def test_open_mpi_command_line():
     assert env["HVD_SPARK_BACKEND"] == "mpi" and env["HVD_SPARK_TIMEOUT"] == "9"
 
 
+def test_our_and_horovods_settings_are_exported_to_every_host(monkeypatch):
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1024")
+    monkeypatch.setenv("HVD_SPARK_CYCLE_TIME", "2")
+    monkeypatch.setenv("HVD_SPARK_RANK", "5")  # an enclosing job's: not forwarded
+    args, env = mpi_launcher.mpirun_command(2, ["t"], {})
+    exported = {args[i + 1] for i, a in enumerate(args) if a == "-x"}
+    assert {"HOROVOD_FUSION_THRESHOLD", "HVD_SPARK_CYCLE_TIME"} <= exported
+    assert "HVD_SPARK_RANK" not in exported
+
+
 def test_mpich_command_line(tmp_path):
     fake = tmp_path / "mpirun"
     fake.write_text("#!/bin/sh\necho 'HYDRA build details:'\necho '    Version: 4.2.0'\n")
