@@ -4,8 +4,8 @@
 ``hvd_spark.keras``: same names) gives ``init``, ``rank``, ``size``, tensor
 collectives that work eagerly, inside ``tf.function`` and in TF1-style sessions,
 process sets, ``DistributedGradientTape``, ``DistributedOptimizer`` for Keras 3
-optimizers, ``SyncBatchNormalization``, ``callbacks``, ``elastic`` state and
-``Compression``.
+optimizers, ``SyncBatchNormalization``, ``callbacks``, ``elastic`` training (``hvd.elastic.run``,
+the states, the Keras callbacks) and ``Compression``.
 """
 
 from __future__ import annotations
