@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from hvd_spark import collectives as C
+from hvd_spark.collectives.elastic import is_elastic
 from hvd_spark.collectives.ops import ReduceOp
 from hvd_spark.tensorflow.ops import grouped_allreduce
 
@@ -33,7 +34,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         super().__init__(**kwargs)
 
     def _moments(self, inputs: Any, mask: Any) -> tuple[tf.Tensor, tf.Tensor]:
-        if not C.is_initialized() or C.size() == 1:
+        # Decided when traced; an elastic ring of one may grow, so it keeps the collective.
+        if not C.is_initialized() or (C.size() == 1 and not is_elastic()):
             return super()._moments(inputs, mask)
         x = tf.convert_to_tensor(inputs)
         compute = tf.float32 if x.dtype in (tf.float16, tf.bfloat16) else x.dtype
