@@ -171,3 +171,29 @@ def test_a_run_that_cannot_start_is_interrupted_by_its_tag(connect):
     assert not holder.is_alive() and errors  # the holder was interrupted too
     # Nothing of the run is left queued: a two-task job gets both slots at once.
     assert len(connect.range(2, numPartitions=2).collect()) == 2
+
+
+def test_keras_estimator_fit_and_transform_over_connect(connect, tmp_path):
+    import keras
+    from pyspark.sql import functions as F
+
+    from hvd_spark.estimator import KerasEstimator
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(600, 4))
+    y = (x @ np.array([1.5, -2.0, 0.75, 0.0]) > 0).astype(float)
+    rows = [(*map(float, r), float(label)) for r, label in zip(x, y)]
+    frame = connect.createDataFrame(rows, "a double, b double, c double, d double, label double")
+    frame = frame.select(F.array("a", "b", "c", "d").alias("features"), "label")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    fitted = KerasEstimator(
+        num_proc=2, model=model, optimizer=keras.optimizers.Adam(0.02),
+        loss="binary_crossentropy", feature_cols=["features"], label_cols=["label"],
+        batch_size=32, epochs=3, store=str(tmp_path / "store"), verbose=0).fit(frame)
+    assert fitted.getHistory()["loss"][-1] < fitted.getHistory()["loss"][0]
+    predictions = fitted.transform(frame).select("label", "label__output").collect()
+    assert len(predictions) == 600
+    accuracy = np.mean([(r["label__output"] > 0.5) == (r["label"] > 0.5) for r in predictions])
+    assert accuracy > 0.9
