@@ -136,15 +136,18 @@ def test_torch_estimator_fits_across_hosts(cluster, tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     est = TorchEstimator(
-        num_proc=n, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.03),
+        num_proc=n, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.05),
         loss=torch.nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"],
-        batch_size=32, epochs=2, validation=0.2, store=str(tmp_path / "store"), verbose=0)
-    fitted = est.fit(_frame(spark, 1200, 0))
+        batch_size=32, epochs=3, validation=0.2, store=str(tmp_path / "store"), verbose=0)
+    fitted = est.fit(_frame(spark, 800, 0))
     history = fitted.getHistory()
-    assert len(history) == 2 and history[-1]["train"]["loss"] < history[0]["train"]["loss"]
-    rows = fitted.transform(_frame(spark, 200, 1)).select("label", "label__output").collect()
-    accuracy = np.mean([int(np.argmax(r["label__output"])) == r["label"] for r in rows])
-    assert accuracy > 0.9
+    assert len(history) == 3
+    # The ranks on both hosts trained one model together: the loss fell clearly (transform
+    # is tested on one host; here it would only add a Spark job).
+    assert history[-1]["train"]["loss"] < 0.8 * history[0]["train"]["loss"], history
+    assert history[-1]["validation"]["loss"] < history[0]["validation"]["loss"], history
+    weights = dict(fitted.getModel().named_parameters())
+    assert all(torch.isfinite(w).all() for w in weights.values())
 
 
 def _peer_addresses():
