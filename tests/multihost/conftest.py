@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from hvd_spark.bench import netns_hosts
+from hvd_spark.bench import netns_hosts, netns_services
 
 # .ci/run sets it: there, a machine without namespaces is a failure, not a skip.
 REQUIRED = "HVD_TESTS_MULTIHOST"
@@ -32,16 +32,8 @@ def cluster(request):
     """``(hosts, spark, ranks_per_host)``: 2 hosts x 2 slots, then 3 hosts x 1 slot."""
     require_namespaces()
     count, cores = request.param
-    with netns_hosts.spark_cluster(count, cores=cores) as (net, spark):
+    with netns_services.spark_cluster(count, cores=cores) as (net, spark):
         yield net, spark, cores
-
-
-@pytest.fixture(scope="module")
-def two_hosts():
-    """``(hosts, spark)``: 2 hosts x 1 slot, for the tests that break or reshape links."""
-    require_namespaces()
-    with netns_hosts.spark_cluster(2, cores=1) as (net, spark):
-        yield net, spark
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hvd_spark.bench import netns_hosts
+from hvd_spark.bench import netns_hosts, netns_services
 from hvd_spark.runner.ssh_launcher import SSH_OPTS
 from tests.multihost.conftest import require_namespaces
 
@@ -44,7 +44,7 @@ def ssh_hosts():
     workdir = tempfile.mkdtemp(prefix="hvd-ssh-")
     with netns_hosts.NetnsHosts(3) as net:
         net.add_network("data1")
-        servers = netns_hosts.SshServers(net, workdir).start()
+        servers = netns_services.SshServers(net, workdir).start()
         try:
             script = os.path.join(workdir, "train.py")
             with open(script, "w") as f:
