@@ -111,8 +111,9 @@ def lost_task_failures(
         rank = rank_of.get(partition, partition)
         if rank in out or rank in accounted:
             continue
+        # It ended without a word: its process or task vanished, whatever took them.
         out[rank] = WorkerFailure(
-            rank=rank, host=host_of.get(partition, "?"), secondary=not primary,
+            rank=rank, host=host_of.get(partition, "?"), secondary=not primary, lost=True,
             message=("its Spark task ended without reporting"
                      + (f": {verdict.summary}" if primary else
                         " (stopped when Spark aborted the barrier stage)")))

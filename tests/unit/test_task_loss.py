@@ -72,7 +72,7 @@ def test_silent_survivor_gets_a_secondary_record():
     failures = lost_task_failures(read_verdict(RuntimeError(_EXECUTOR_LOST)), {}, set(),
                                   ranks, 2)
     survivor = failures[ranks[1].rank]
-    assert survivor.secondary and not survivor.lost
+    assert survivor.secondary and survivor.lost
     assert "aborted the barrier stage" in survivor.message
 
 
@@ -89,7 +89,7 @@ def test_a_user_error_stays_the_root_cause_when_spark_names_no_task():
 def test_unexplained_vanishing_is_primary_with_sparks_words():
     failures = lost_task_failures(read_verdict(RuntimeError(_CANCELLED)), {}, set(),
                                   _ranks(), 2)
-    assert all(not f.secondary for f in failures.values())
+    assert all(not f.secondary and f.lost for f in failures.values())
     assert all("cancelled part of cancelled job group" in f.message for f in failures.values())
 
 
