@@ -4,6 +4,7 @@ step checkpoints in a real local store; the parameters' checks."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.estimator import KerasEstimator, TorchEstimator
-from hvd_spark.estimator.recovery import recoverable, run_with_retries
+from hvd_spark.estimator.recovery import backend_for_retry, recoverable, run_with_retries
 from hvd_spark.estimator.step_checkpoints import (
     ResumePoint,
     read_step_checkpoint,
@@ -19,7 +20,7 @@ from hvd_spark.estimator.step_checkpoints import (
     save_step_checkpoint,
 )
 from hvd_spark.estimator.train_spec import TrainSpec
-from hvd_spark.runner.backend import Backend
+from hvd_spark.runner.backend import Backend, SparkBackend
 from hvd_spark.runner.failures import WorkerFailure
 
 LOST = WorkerFailure(1, "host-x", "executor 3 lost (Command exited with code 137)", lost=True)
@@ -142,3 +143,27 @@ def test_keras_refuses_step_checkpoints_naming_the_parameter():
     with pytest.raises(ConfigError, match="checkpoint_every_steps is not supported by "
                                           "KerasEstimator"):
         est._check_params()
+
+
+class _Slots(SparkBackend):
+    """A SparkBackend whose cluster reports the given task slots, one value per look."""
+
+    def __init__(self, slots: list[int]) -> None:
+        super().__init__(num_proc=2)
+        self.slots = list(slots)
+
+    def available_slots(self) -> int:
+        return self.slots.pop(0) if len(self.slots) > 1 else self.slots[0]
+
+
+def test_retry_waits_for_the_slots_to_come_back():
+    backend = _Slots([1, 1, 2])
+    assert backend_for_retry(backend, 2, wait_s=30).num_processes() == 2
+    assert backend.slots == [2]  # it looked until the replacement executor was there
+
+
+def test_retry_goes_on_with_the_slots_that_remain_after_the_deadline():
+    started = time.monotonic()
+    shrunk = backend_for_retry(_Slots([1]), 2, wait_s=1.5)
+    assert shrunk.num_processes() == 1
+    assert 1.5 <= time.monotonic() - started < 10
