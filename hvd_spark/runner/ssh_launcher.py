@@ -135,7 +135,8 @@ class SshJob(LocalJob):
             except subprocess.TimeoutExpired:
                 return f"{host}: ssh did not answer within {_CHECK_TIMEOUT_S:.0f} s"
             if done.returncode != 0:
-                return f"{host}: {done.stderr.strip().splitlines()[-1:] or done.returncode}"
+                lines = done.stderr.strip().splitlines()
+                return f"{host}: {lines[-1] if lines else f'ssh exited with {done.returncode}'}"
             return None
 
         with concurrent.futures.ThreadPoolExecutor(max(1, min(16, len(remote)))) as pool:
