@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0
 _BYE_WAIT_S = 10.0
+_ABORT_SEND_S = 1.0
 
 
 def _row(name: str, kind: str) -> str:
@@ -198,8 +199,22 @@ class Engine:
                 self._cycle()
         except BaseException as exc:  # noqa: BLE001 - every error fails the pending handles
             self._fail(exc)
+            self._tell_others(self._failure)
         finally:
             self._close()
+
+    def _tell_others(self, failure: BaseException | None) -> None:
+        """Rank 0: pass the reason it stopped to every rank before closing, so they fail
+        with the root cause ("rank 1 disconnected") instead of "rank 0 disconnected"."""
+        if self._coordinator is None or not isinstance(failure, PeerDisconnectedError):
+            return
+        for peer, sock in self._control.items():
+            try:
+                sock.settimeout(_ABORT_SEND_S)
+                with self._send_lock:
+                    wire.send_obj(sock, ("abort", str(failure)), f"rank {peer}")
+            except (HvdSparkError, OSError):
+                pass  # that peer is gone too, or stuck: closing tells it anyway
 
     def _cycle(self) -> None:
         timeout = _IDLE_POLL_S
@@ -255,6 +270,8 @@ class Engine:
         elif kind == "resp":
             for response in payload:
                 self._execute(response)
+        elif kind == "abort":
+            raise PeerDisconnectedError(f"{payload} (as rank 0 saw it)")
         elif kind == "bye":
             self._bye_from.add(peer)
             if self._coordinator is None:

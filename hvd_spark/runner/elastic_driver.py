@@ -307,7 +307,11 @@ class ElasticDriver:
         ready = [w for w in self._alive if w in self._waiting]
         if self.generation == 0:
             waited = now - self._started
-            if len(ready) < min(s.num_proc, s.max_np) and waited < s.start_timeout:
+            # A worker lost before the first ring formed is not waited for: start with
+            # the rest once every live worker is ready (and at least min_np are).
+            rest_ready = bool(self.lost) and len(ready) == len(self._alive) >= s.min_np
+            if (len(ready) < min(s.num_proc, s.max_np) and waited < s.start_timeout
+                    and not rest_ready):
                 return events
             if len(ready) < s.min_np:
                 self.fail(f"only {len(ready)} of the {s.num_proc} workers joined within the "

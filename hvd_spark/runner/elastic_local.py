@@ -152,6 +152,7 @@ class ElasticLocalJob:
                 if failed is not None and value != 0 and self._is_user_error(failed):
                     raise WorkerFailedError([failed])
                 self.driver.worker_exited(worker_id, value)
+                self._check_start(worker_id, value)
             elif kind == "report":
                 rank, status, payload = value
                 if status == "ok":
@@ -166,6 +167,16 @@ class ElasticLocalJob:
                 running = [w for w in self.driver.members if self.procs[w].poll() is None]
                 if not running or time.monotonic() - finished_at > _FINISH_GRACE_S:
                     return self.results
+
+    def _check_start(self, worker_id: str, returncode: int) -> None:
+        """Before the first ring forms, too many early exits end the job at once (not
+        after the start timeout): the command most likely fails on its own."""
+        alive = len(self.driver.alive)
+        if returncode != 0 and self.driver.generation == 0 and alive < self.settings.min_np:
+            raise ElasticJobError(
+                f"worker {worker_id} exited with code {returncode} before the first ring "
+                f"formed, leaving {alive} live workers, fewer than min_np="
+                f"{self.settings.min_np}; see its output above")
 
     @staticmethod
     def _is_user_error(failure: WorkerFailure) -> bool:

@@ -48,8 +48,10 @@ def main() -> int:
     timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
     store = StoreClient(addr, secret, timeout)
     try:
-        fn, args, kwargs = cloudpickle.loads(store.get(FN_KEY, timeout))
         try:
+            # Inside the try: a function that cannot be unpickled here (a module missing
+            # on this machine) is reported with its traceback like any failure of fn.
+            fn, args, kwargs = cloudpickle.loads(store.get(FN_KEY, timeout))
             result = fn(*args, **kwargs)
             rank = _rank_for_report()
         except BaseException as exc:  # noqa: BLE001 - every failure is reported to the driver

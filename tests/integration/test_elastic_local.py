@@ -54,6 +54,10 @@ def test_kill_minus_9_mid_epoch_survivors_finish_from_the_last_commit():
         commits = [int(c["step"]) for c in _lines(out, worker, "commit")]
         assert commits == sorted(commits) and commits[-1] == 24
     assert _lines(out, "0", "done")[0]["local"] == _lines(out, "2", "done")[0]["local"]
+    # The survivors' errors name the killed rank, not rank 0 (which passed the cause on).
+    lost_lines = [line for line in out.splitlines() if "a rank was lost" in line]
+    assert lost_lines and all("rank 1" in line for line in lost_lines), lost_lines
+    assert "rank 0 disconnected" not in out
 
 
 def test_a_replacement_joins_at_a_commit_and_the_ring_grows_back():
@@ -93,6 +97,35 @@ def test_reset_limit_ends_the_job_with_the_cause():
                         {"KILL_AT": "3", "EPOCHS": "2"})
     assert code == 1, out
     assert "reset_limit=0" in out and "exited with code -9" in out
+
+
+def _crash_worker_one(script: Path) -> None:
+    script.write_text(
+        "import os, runpy, sys\n"
+        "if os.environ['HVD_SPARK_WORKER_ID'] == '1':\n"
+        "    sys.exit(3)\n"
+        f"runpy.run_path({JOB!r}, run_name='__main__')\n")
+
+
+def test_a_worker_dying_before_the_first_ring_is_not_waited_for(tmp_path):
+    script = tmp_path / "crash_one.py"
+    _crash_worker_one(script)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hvd_spark.runner", "-np", "3", "--min-np", "2",
+         "--cooldown", "-1", sys.executable, str(script)],
+        env={**os.environ, "EPOCHS": "1"}, capture_output=True, text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert re.search(r"generation 1: 2 ranks", out), out
+    assert time.monotonic() - started < 120  # not the 600 s start timeout
+    # Too few left: the job ends at once with the reason.
+    proc = subprocess.run(
+        [sys.executable, "-m", "hvd_spark.runner", "-np", "2", "--min-np", "2",
+         "--cooldown", "-1", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "worker 1 exited with code 3 before the first ring formed" in proc.stderr
 
 
 def test_a_bug_in_fn_is_not_mistaken_for_a_lost_worker():
