@@ -68,6 +68,18 @@ def out_of_order_and_fusion() -> dict:
             "tensors": after[1] - before[1]}
 
 
+def freeze_rank_one() -> None:
+    """Rank 1 stops itself (SIGSTOP) between two allreduces: only a heartbeat notices."""
+    import os
+    import signal
+
+    hvd.init()
+    hvd.allreduce(np.ones(4))
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    hvd.allreduce(np.ones(4))
+
+
 def out_of_place_mixes() -> dict:
     """Out-of-place allreduces fused with in-place ones, big and small, (non-)contiguous."""
     hvd.init()

@@ -17,6 +17,7 @@ import pytest
 from hvd_spark.errors import WorkerFailedError
 from hvd_spark.runner.elastic_local import run_elastic_local
 from hvd_spark.runner.local_launcher import run_local
+from tests.integration import collective_jobs as jobs
 
 JOB = str(Path(__file__).with_name("elastic_torch_job.py"))
 
@@ -177,20 +178,9 @@ def test_elastic_settings_are_checked_before_anything_starts():
 
 def test_a_frozen_rank_in_a_fixed_size_job_fails_fast_with_its_name(monkeypatch):
     monkeypatch.setenv("HVD_SPARK_HEARTBEAT_S", "2")
-
-    def fn():
-        import hvd_spark.collectives as hvd
-
-        hvd.init()
-        hvd.allreduce(np.ones(4))
-        if hvd.rank() == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        hvd.allreduce(np.ones(4))
-        return hvd.rank()
-
     started = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
-        run_local(fn, num_proc=2, env={"HVD_SPARK_TIMEOUT": "120"})
+        run_local(jobs.freeze_rank_one, num_proc=2, env={"HVD_SPARK_TIMEOUT": "120"})
     assert time.monotonic() - started < 60  # the collective timeout is 120 s
     root = info.value.root_cause
     assert root.rank == 1 and "sent no heartbeat" in root.message

@@ -16,8 +16,11 @@ import pytest
 import hvd_spark
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from tests.conftest import _session
+from tests.integration import collective_jobs as jobs
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
+# tests/ is not on the workers' path: ship these modules' functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(jobs)
 
 STEPS = 120
 
@@ -134,23 +137,9 @@ def test_a_frozen_rank_under_hvd_spark_run_fails_the_run_within_the_heartbeat(sp
     """Fixed-size runs beat too: a frozen rank is the named root cause in seconds."""
     import time
 
-    def fn():
-        import os
-        import signal
-
-        import numpy as np
-
-        import hvd_spark.collectives as hvd
-
-        hvd.init()
-        hvd.allreduce(np.ones(4))
-        if hvd.rank() == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        hvd.allreduce(np.ones(4))
-
     started = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
-        hvd_spark.run(fn, num_proc=2, start_timeout=60,
+        hvd_spark.run(jobs.freeze_rank_one, num_proc=2, start_timeout=60,
                       env={"HVD_SPARK_HEARTBEAT_S": "3", "HVD_SPARK_TIMEOUT": "300"})
     assert time.monotonic() - started < 120  # not the 300 s collective timeout
     root = info.value.root_cause
