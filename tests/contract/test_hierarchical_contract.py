@@ -10,6 +10,7 @@ from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.collectives.tcp import hierarchical
 from hvd_spark.collectives.tcp.hierarchical import HierarchicalCommunicator, host_grid
+from hvd_spark.collectives.tcp.shm import ShmLink
 from tests.contract.communicator_contract import CommunicatorContract, run_parallel
 from tests.contract.test_tcp_contract import make_tcp
 
@@ -47,6 +48,14 @@ class TestHierarchicalThreePerHost(CommunicatorContract):
     def make(self, size):
         flats, found = make_hierarchical([3, 3])
         assert found == [(3, 2)] * 6
+        run_parallel(flats, lambda c: hierarchical.share_memory_on_wrap(c, 3, "contract"))
+        # Every link of each host's ring (0-1-2-0, 3-4-5-3) is shared memory (the wrap
+        # 0-2 and 3-5 too, which are no neighbours on the flat ring).
+        for c in flats:
+            base = c.rank - c.rank % 3
+            local = {p for p in range(base, base + 3) if p != c.rank}
+            assert local <= set(c.shm_peers)
+            assert all(isinstance(c.links[p], ShmLink) for p in local)
         return [HierarchicalCommunicator(c, 3, 2) for c in flats]
 
 

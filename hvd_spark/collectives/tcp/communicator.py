@@ -136,4 +136,5 @@ def create(world, config, data_socks: dict[int, socket.socket]) -> Communicator:
     flat = TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm,
                            shm_tag=job_tag(world.secret))
     setting = _env.get_str(_env.HIERARCHICAL_ALLREDUCE)
-    return maybe_hierarchical(flat, world, None if setting is None else _env.is_true(setting))
+    return maybe_hierarchical(flat, world, None if setting is None else _env.is_true(setting),
+                              config.use_shm, job_tag(world.secret))

@@ -29,6 +29,8 @@ from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.tcp.communicator import TcpCommunicator
+from hvd_spark.collectives.tcp.links import TcpLink
+from hvd_spark.collectives.tcp.shm import negotiate_shm
 from hvd_spark.errors import CollectiveTimeoutError
 
 log = logging.getLogger(__name__)
@@ -187,13 +189,32 @@ class HierarchicalCommunicator(Communicator):
         return self.flat.shm_peers
 
 
-def maybe_hierarchical(flat: TcpCommunicator, world, enabled: bool | None) -> Communicator:
+def share_memory_on_wrap(flat: TcpCommunicator, local_size: int, shm_tag: str) -> None:
+    """Give the host ring's closing link (local rank L-1 to 0) shared memory, as its other
+    links have (they are neighbours on the flat ring too). Collective on each such pair;
+    a rank is in at most one, so no order is needed. Both sides keep TCP if either cannot."""
+    host, local = divmod(flat.rank, local_size)
+    if local_size < 3 or local not in (0, local_size - 1):
+        return
+    peer = host * local_size + (local_size - 1 if local == 0 else 0)
+    link = flat.links[peer]
+    if not isinstance(link, TcpLink):
+        return
+    shm = negotiate_shm(link.sock, peer, flat.chunk_bytes, tag=shm_tag)
+    if shm is not None:
+        flat.links[peer] = shm
+        flat.shm_peers = sorted({*flat.shm_peers, peer})
+
+
+def maybe_hierarchical(flat: TcpCommunicator, world, enabled: bool | None,
+                       use_shm: bool = True, shm_tag: str = "job") -> Communicator:
     """``flat``, or a HierarchicalCommunicator over it where the hosts allow and it is on.
 
     Args:
         flat: The job's ring.
         world: The rank's WorldInfo (local/cross ranks and sizes).
         enabled: True/False as the user set it; None: the default (on where it applies).
+        use_shm, shm_tag: As for the flat ring (shared memory on the host ring's links).
     """
     if enabled is False or flat.size < 4:
         return flat
@@ -204,4 +225,6 @@ def maybe_hierarchical(flat: TcpCommunicator, world, enabled: bool | None) -> Co
             log.info("hierarchical allreduce needs the same number of ranks on every host, "
                      "consecutive per host; using the flat ring")
         return flat
+    if use_shm:
+        share_memory_on_wrap(flat, grid[0], shm_tag)
     return HierarchicalCommunicator(flat, *grid)
