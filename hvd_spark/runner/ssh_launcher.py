@@ -186,6 +186,12 @@ def host_slots_from(args: argparse.Namespace) -> list[hostlist.HostSlots] | None
     """
     if args.hosts and args.hostfile:
         raise ConfigError("give -H/--hosts or --hostfile, not both")
+    if (args.hosts or args.hostfile) and getattr(args, "mpi", False):
+        raise ConfigError("-H/--hostfile start ranks over ssh; with --mpi give mpirun its "
+                          "hosts instead (e.g. mpirun -H host1:2,host2:2 python train.py)")
+    if (args.hosts or args.hostfile) and getattr(args, "elastic", False):
+        raise ConfigError("-H/--hostfile cannot be combined with the elastic options yet: "
+                          "elastic jobs run on one host or on Spark (hvd_spark.run_elastic)")
     if args.hosts:
         return hostlist.parse_hosts(args.hosts)
     if args.hostfile:

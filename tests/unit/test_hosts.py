@@ -55,3 +55,18 @@ def test_ssh_never_prompts_and_secrets_are_not_forwarded(monkeypatch):
                          "CUDA_VISIBLE_DEVICES": "0", "BASH_FUNC_f%%": "()",
                          "HVD_SPARK_TIMEOUT": "9", "HVD_SPARK_RANK": "3"})
     assert env == {"PATH": "/bin", "HVD_SPARK_TIMEOUT": "9"}
+
+
+def test_hosts_with_mpi_or_elastic_options_are_refused():
+    import argparse
+
+    from hvd_spark.runner.ssh_launcher import host_slots_from
+
+    base = {"hosts": "a:1", "hostfile": None, "mpi": False, "elastic": False}
+    assert host_slots_from(argparse.Namespace(**base)) == [HostSlots("a", 1)]
+    with pytest.raises(ConfigError, match="with --mpi give mpirun its hosts"):
+        host_slots_from(argparse.Namespace(**{**base, "mpi": True}))
+    with pytest.raises(ConfigError, match="elastic options"):
+        host_slots_from(argparse.Namespace(**{**base, "elastic": True}))
+    with pytest.raises(ConfigError, match="not both"):
+        host_slots_from(argparse.Namespace(**{**base, "hostfile": "f"}))
