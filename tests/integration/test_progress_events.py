@@ -91,3 +91,37 @@ def test_keras_fit_has_no_keras_progress_on_the_workers(frame, tmp_path, capsys)
     assert "━" not in out and "/step" not in out  # Keras's own bar and its step timings
     assert any(line.startswith("epoch 1/1: 100%") and "loss=" in line
                for line in _final_lines(err))
+
+
+_RUN_SCRIPT = """
+import os, sys
+from pyspark.sql import SparkSession
+spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+spark.sparkContext.setLogLevel("ERROR")
+import hvd_spark
+
+def fn():
+    import hvd_spark.collectives as hvd
+    hvd.init()
+    return hvd.rank()
+
+print(hvd_spark.run(fn, num_proc=2))
+print(hvd_spark.run(fn, num_proc=2, verbose=0))
+"""
+
+
+def test_verbose_messages_show_without_logging_setup(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # A fresh driver process: nothing configured logging, as in a plain script or notebook.
+    done = subprocess.run([sys.executable, "-c", _RUN_SCRIPT], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path, env={**os.environ})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-2:] == ["[0, 1]", "[0, 1]"]
+    said = [line for line in done.stderr.splitlines() if line.startswith("hvd_spark")]
+    assert sum("starting 2 ranks" in line for line in said) == 1, said  # verbose=0: quiet
+    assert sum("ranks assigned: 0 on" in line for line in said) == 1, said
+    assert sum("2 ranks finished" in line for line in said) == 1, said
