@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -140,3 +141,16 @@ def test_a_host_without_ssh_is_a_clear_error_before_anything_starts(ssh_hosts):
     done = _hvdrun(servers, "-np", "5", "-H", f"{net.addrs[0]}:2,{net.addrs[1]}:2",
                    sys.executable, script)
     assert done.returncode == 2 and "-np 5 is more than the 4 slots" in done.stderr
+
+
+def test_this_machine_and_a_remote_host_in_one_job(ssh_hosts):
+    net, servers, script = ssh_hosts
+    done = _hvdrun(servers, "-np", "3", "-H", f"localhost:1,{net.addrs[0]}:2",
+                   "-i", servers.identity, sys.executable, script)
+    assert done.returncode == 0, done.stderr
+    rows = _results(done.stdout)
+    # Rank 0 runs here without ssh; the remote ranks reach it at the bridge's address.
+    assert rows[0][1:7] == ["3", "0", "1", "0", "2", socket.gethostname()]
+    assert [rows[r][6] for r in (1, 2)] == [net.hostnames[0]] * 2
+    assert net.bridge_addr in rows[1][10].split(",")
+    assert all(float(rows[r][7]) == 6.0 for r in rows)
