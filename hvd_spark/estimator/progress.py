@@ -90,13 +90,18 @@ class TrainingProgress:
 
     def _on_epoch(self, event: dict[str, Any]) -> None:
         epoch, metrics = event["epoch"], format_metrics(event["metrics"])
+        line = f"epoch {epoch}/{self.epochs}: {metrics}"
+        self.epoch_lines.append(line)
+        if self._steps is None and (self._bar is None or self._epoch != epoch):
+            self._close_bar()  # a loop without step events (Lightning): just the line
+            self._cls.write(line, file=self._file)
+            return
         if self._bar is None or self._epoch != epoch:
             self._open(epoch, event.get("steps"))
         self._bar.set_postfix_str(metrics, refresh=False)
         if self._bar.total:
             self._bar.update(self._bar.total - self._bar.n)
         self._close_bar()
-        self.epoch_lines.append(f"epoch {epoch}/{self.epochs}: {metrics}")
 
     def _close_bar(self) -> None:
         if self._bar is not None:

@@ -43,6 +43,7 @@ def test_an_epoch_without_step_events_still_gets_its_line():
     bars(0, {"kind": "epoch", "epoch": 1, "epochs": 3, "metrics": {"loss": 1.0, "x": "s"}})
     bars(0, {"kind": "unknown"})
     assert bars.epoch_lines == ["epoch 1/3: loss=1.0000"]
+    assert out.getvalue() == "epoch 1/3: loss=1.0000\n"  # a plain line, no empty bar
     assert format_metrics({"epoch": 3, "loss": 0.5, "acc": 1}) == "loss=0.5000, acc=1.0000"
 
 
