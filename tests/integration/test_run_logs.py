@@ -12,6 +12,8 @@ from pyspark.sql import functions as F
 
 from hvd_spark.data.store import Store
 
+pytestmark = pytest.mark.timeout(600)  # two fits, one of them Keras, on a shared machine
+
 
 @pytest.fixture(scope="module")
 def frame(spark):

@@ -17,6 +17,9 @@ from hvd_spark.runner.connect import ConnectContext
 from tests.integration.connect_server import ConnectServer
 
 _MODE_VARS = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")
+# The first test also waits for the server's JVM to start; fits over Connect on a loaded
+# 2-core machine take minutes.
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
