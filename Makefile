@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 bench: $(STAMP)
 	$(BIN)/python -m hvd_spark.bench allreduce
