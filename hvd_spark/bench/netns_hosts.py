@@ -147,9 +147,12 @@ def remove_stale() -> list[str]:
             _sh(["ip", "netns", "del", name], check=False)
             shutil.rmtree(os.path.join(_NETNS_ETC, name), ignore_errors=True)
             removed.append(name)
-            for link in os.listdir("/sys/class/net"):
-                if link == f"hvb{owner}" or link.startswith(f"hvb{owner}n"):
-                    _sh(["ip", "link", "del", link], check=False)
+    # Bridges and veth ends of dead owners (a deleted namespace's are freed lazily).
+    for link in os.listdir("/sys/class/net"):
+        match = re.match(r"hv[bv](\d+)", link)
+        if match and not _pid_alive(int(match.group(1))):
+            _sh(["ip", "link", "del", link], check=False)
+            removed.append(link)
     return removed
 
 
@@ -185,6 +188,7 @@ class NetnsHosts:
         self.bridge_addr = ""
         self.addrs: list[str] = []
         self._extra_bridges: list[str] = []
+        self._extra_veths: list[str] = []
         self.interfaces: dict[str, list[str]] = {}  # added interface -> address per host
         self._holders: dict[int, subprocess.Popen] = {}
         self._started = False
@@ -281,6 +285,7 @@ class NetnsHosts:
         addrs = [str(hosts[10 + i]) for i in range(self.count)]
         for i, ns in enumerate(self.namespaces):
             outer = f"hvv{self.tag}n{len(self._extra_bridges)}x{i}"
+            self._extra_veths.append(outer)
             _sh(["ip", "link", "add", outer, "type", "veth", "peer", "name", iface,
                  "netns", ns])
             _sh(["ip", "-n", ns, "addr", "add", f"{addrs[i]}/{net.prefixlen}", "dev", iface])
@@ -371,12 +376,15 @@ class NetnsHosts:
         for ns in self.namespaces:
             _sh(["ip", "netns", "del", ns], check=False)
             shutil.rmtree(os.path.join(_NETNS_ETC, ns), ignore_errors=True)
-        for veth in self.veths:  # normally gone with their namespace's peer
+        # Normally gone with their namespace's peer, but the kernel frees a deleted
+        # namespace later: delete them now so nothing outlives close().
+        for veth in [*self.veths, *self._extra_veths]:
             if os.path.exists(f"/sys/class/net/{veth}"):
                 _sh(["ip", "link", "del", veth], check=False)
         for bridge in [self.bridge, *self._extra_bridges]:
             _sh(["ip", "link", "del", bridge], check=False)
         self._extra_bridges.clear()
+        self._extra_veths.clear()
 
     def __enter__(self) -> NetnsHosts:
         return self.start()
