@@ -24,7 +24,6 @@ from typing import Any
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
-from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.errors import HvdSparkError
 
 # The barrier task's helpers (child start-up, output relay, stop watcher) are reused as is.
@@ -104,7 +103,8 @@ def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int) -> int:
     """Host worker ``<partition>.<attempt>`` until it ends; return its exit code."""
     host = socket.gethostname()
     worker = f"{partition}.{attempt}"
-    client = StoreClient(wire.parse_addr(spec.driver_addr), spec.secret, spec.start_timeout)
+    client = spark_task.connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout,
+                                          host)
     proc: subprocess.Popen | None = None
     try:
         label = executor_label()

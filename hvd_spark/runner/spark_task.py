@@ -33,6 +33,8 @@ from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.rendezvous import RankInfo
 
 _KILL_GRACE_S = 2.0
+#: Seconds a task may take to reach the driver's service (already listening) at start.
+CONNECT_TIMEOUT_S = 30.0
 _DRAIN_S = 5.0
 _STOP_POLL_S = 1.0
 _SELF_EXIT_GRACE_S = 0.5
@@ -182,10 +184,30 @@ def _terminate(proc: subprocess.Popen) -> None:
     _kill_group(proc, signal.SIGKILL)
 
 
+def connect_to_driver(driver_addr: str, secret: bytes, start_timeout: float,
+                      host: str) -> StoreClient:
+    """Connect to the driver's service, or fail soon with what stands in the way.
+
+    The service listens before any task starts, so a task that cannot reach it within
+    ``CONNECT_TIMEOUT_S`` is cut off from the driver (a firewall, a partition): say so
+    now, instead of letting the driver wait for the whole start timeout.
+    """
+    timeout = min(start_timeout, CONNECT_TIMEOUT_S)
+    try:
+        return StoreClient(wire.parse_addr(driver_addr), secret, timeout)
+    except (HvdSparkError, OSError) as exc:
+        raise RendezvousTimeoutError(
+            f"the Spark task on host {host} cannot reach the hvd_spark driver service at "
+            f"{driver_addr} within {timeout:.0f} s ({exc}): a firewall or a network "
+            "partition separates this executor from the driver; let the executors reach "
+            "the driver's ports, or set spark.driver.host to an address they can reach"
+        ) from exc
+
+
 def run_task(spec: TaskSpec, partition: int, gpus: list[str] | None) -> int:
     """Run one rank of the job for ``partition``; return its process's exit code."""
     host = socket.gethostname()
-    client = StoreClient(wire.parse_addr(spec.driver_addr), spec.secret, spec.start_timeout)
+    client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
     try:
         try:
             info: RankInfo = client.call(

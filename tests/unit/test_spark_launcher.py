@@ -72,3 +72,22 @@ def test_output_lines_can_start_with_a_timestamp():
     out = io.StringIO()
     OutputForwarder(out, io.StringIO(), timestamps=True).write(3, "stdout", "epoch 1\n")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[3\] epoch 1\n", out.getvalue())
+
+
+def test_a_task_cut_off_from_the_driver_says_so_before_the_start_timeout(monkeypatch):
+    """A real listener that never answers stands for a driver behind a partition."""
+    import socket
+    import time
+
+    from hvd_spark.errors import RendezvousTimeoutError
+
+    monkeypatch.setattr(spark_task, "CONNECT_TIMEOUT_S", 1.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        addr = f"127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(RendezvousTimeoutError) as info:
+            spark_task.connect_to_driver(addr, b"s" * 32, start_timeout=600, host="hostA")
+        assert time.monotonic() - started < 30  # the handshake deadline, not the 600 s
+    message = str(info.value)
+    assert "host hostA cannot reach the hvd_spark driver service at " + addr in message
+    assert "spark.driver.host" in message
