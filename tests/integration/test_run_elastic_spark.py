@@ -28,9 +28,9 @@ STEPS = 120
 @pytest.fixture(scope="module")
 def spark_three_executors():
     """Three executor JVMs with one slot each; Spark may retry a lost task."""
-    session = _session("local-cluster[3,1,1024]")
-    yield session
-    session.stop()
+    # Not stopped here: the next module's _session() replaces it, as for the other
+    # module-scoped sessions (a stopped active session breaks the next getOrCreate).
+    return _session("local-cluster[3,1,1024]")
 
 
 class KillExecutorAt:
