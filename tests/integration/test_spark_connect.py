@@ -28,6 +28,11 @@ def connect(tmp_path_factory):
     from pyspark.sql import SparkSession
 
     saved = {k: os.environ.get(k) for k in _MODE_VARS}
+    # pyspark refuses a remote session while a classic one runs in this process (an
+    # earlier module's): stop it; the next classic module's fixture starts its own.
+    classic = SparkSession.getActiveSession()
+    if classic is not None:
+        classic.stop()
     server = ConnectServer(tmp_path_factory.mktemp("connect") / "server.log")
     try:
         server.wait_ready()
