@@ -19,6 +19,8 @@ DEFAULT_START_TIMEOUT_S = 600.0
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
 DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+# Allreduces up to this size travel with their negotiation messages (see EngineConfig).
+DEFAULT_EAGER_BYTES = 64 * 1024
 DEFAULT_STALL_WARNING_S = 60.0
 TIMELINE_DYNAMIC = "DYNAMIC"  # HOROVOD_TIMELINE's value for "no file yet: start_timeline() later"
 
@@ -43,6 +45,10 @@ class EngineConfig:
         timeline_mark_cycles: Mark each engine cycle in the timeline.
         timeline_dynamic: The timeline variable was ``DYNAMIC``: no file at start,
             ``start_timeline()`` opens one later (Horovod requires this to call it).
+        eager_bytes: Allreduces of CPU tensors up to this many bytes ride on the
+            negotiation: every rank sends its tensor with its request, rank 0 reduces
+            them in rank order and sends the result with the response, so a small
+            allreduce costs one round trip instead of a round trip plus a ring (0: off).
     """
 
     timeout: float = DEFAULT_TIMEOUT_S
@@ -55,6 +61,7 @@ class EngineConfig:
     timeline_path: str = ""
     timeline_mark_cycles: bool = False
     timeline_dynamic: bool = False
+    eager_bytes: int = DEFAULT_EAGER_BYTES
 
     def __post_init__(self) -> None:
         # Messages name the variable that supplied the value (ours or Horovod's).
@@ -67,6 +74,9 @@ class EngineConfig:
         if self.cycle_time_ms < 0:
             raise ConfigError(
                 f"{_env.source(_env.CYCLE_TIME)} must be >= 0 ms, got {self.cycle_time_ms}")
+        if self.eager_bytes < 0:
+            raise ConfigError(f"{_env.EAGER_BYTES} must be >= 0 bytes (0: off), "
+                              f"got {self.eager_bytes}")
         if self.chunk_bytes < 4096:
             raise ConfigError(f"{_env.CHUNK_BYTES} must be at least 4096, got {self.chunk_bytes}")
         if not self.stall_warning > 0:
@@ -100,6 +110,7 @@ class EngineConfig:
             timeline_path="" if dynamic else timeline,
             timeline_mark_cycles=_env.get_bool(_env.TIMELINE_MARK_CYCLES),
             timeline_dynamic=dynamic,
+            eager_bytes=_env.get_int(_env.EAGER_BYTES, DEFAULT_EAGER_BYTES),
         )
 
 
