@@ -4,7 +4,8 @@ Unlike ``hvd_spark.run``'s barrier tasks, these are ordinary tasks: Spark may lo
 with its executor and run it again elsewhere, and the others go on. Each task attempt
 is a new worker (id ``<partition>.<attempt>``) that joins the ring at its next
 re-formation. The task starts ``python -m hvd_spark.runner.worker`` with the elastic
-environment, relays its output to the driver, tells the driver how it ended, and never
+environment, relays its output to the driver (as the barrier tasks do, with
+``hvd_spark.runner.task_process``), tells the driver how it ended, and never
 fails itself for a worker that failed: the driver decides what a failure means.
 """
 
@@ -13,22 +14,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
-from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.errors import HvdSparkError
-
-# The barrier task's helpers (child start-up, output relay, stop watcher) are reused as is.
-from hvd_spark.runner import spark_task
 from hvd_spark.runner.elastic_driver import DESCRIBE
+from hvd_spark.runner.spark_task import connect_to_driver
+from hvd_spark.runner.task_process import (
+    DRAIN_S,
+    LogSender,
+    reap_worker,
+    start_worker,
+    watch_stop,
+)
 
 WORKER_EXIT = "elastic.exit"
 OUTPUT_SCHEMA = "partition long, returncode long"
@@ -55,11 +58,6 @@ class ElasticTaskSpec:
     heartbeat_s: float
     env: dict[str, str]
     run_id: str
-
-    def as_task_spec(self) -> spark_task.TaskSpec:
-        """The barrier task's spec, for the helpers shared with it (stop watcher)."""
-        return spark_task.TaskSpec(self.driver_addr, self.secret, self.start_timeout,
-                                   self.env, False, self.run_id)
 
 
 def worker_env(base: dict[str, str], spec: ElasticTaskSpec, worker: str,
@@ -103,37 +101,28 @@ def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int) -> int:
     """Host worker ``<partition>.<attempt>`` until it ends; return its exit code."""
     host = socket.gethostname()
     worker = f"{partition}.{attempt}"
-    client = spark_task.connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout,
-                                          host)
+    client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
     proc: subprocess.Popen | None = None
     try:
         label = executor_label()
         if label:
             client.call(DESCRIBE, worker, label, timeout=wire.HANDSHAKE_TIMEOUT_S)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hvd_spark.runner.worker"],
-            env=worker_env(dict(os.environ), spec, worker, host),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=spark_task._die_with_task,
-        )
+        proc = start_worker(worker_env(dict(os.environ), spec, worker, host))
         # Output lines carry the partition: the worker's rank changes as the ring re-forms.
-        sender = spark_task._LogSender(client, partition)
+        sender = LogSender(client, partition)
         sender.follow(proc.stdout, proc.stderr)
         stopped = threading.Event()
-        threading.Thread(target=spark_task._watch_stop, args=(spec.as_task_spec(), proc, stopped),
-                         daemon=True).start()
+        threading.Thread(target=watch_stop, args=(
+            spec.driver_addr, spec.secret, spec.start_timeout, proc, stopped),
+            daemon=True).start()
         returncode = proc.wait()
-        sender.close(spark_task._DRAIN_S)
+        sender.close(DRAIN_S)
         with contextlib.suppress(HvdSparkError, OSError):
             client.call(WORKER_EXIT, worker, returncode, timeout=wire.HANDSHAKE_TIMEOUT_S)
         return returncode
     finally:
         if proc is not None:
-            spark_task._kill_group(proc, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(2.0)
-            if proc.returncode != 0:
-                remove_segments(job_tag(spec.secret))
+            reap_worker(proc, spec.secret)
         client.close()
 
 
