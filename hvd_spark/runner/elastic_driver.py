@@ -23,13 +23,13 @@ import time
 from collections.abc import Callable
 
 from hvd_spark.errors import ConfigError, ElasticJobError
+from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
 from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks
 
 log = logging.getLogger(__name__)
 
 JOIN = "elastic.join"
 VERSION = "elastic.version"
-BEAT = "beat"
 DESCRIBE = "elastic.describe"
 _CHECK_PERIOD_S = 0.25
 
@@ -126,12 +126,13 @@ class ElasticDriver:
         self.fatal: str | None = None
         self.resets = 0
         self.finished = False
-        self._last_beat: dict[str, float] = {}
         self._labels: dict[str, str] = {}
         self._started = time.monotonic()
-        self._closed = threading.Event()
-        self._checker = threading.Thread(target=self._check_loop, name="hvd-elastic", daemon=True)
-        self._checker.start()
+        # Filled by the monitor's thread, emptied by it right after, in _on_checked.
+        self._silent: list[tuple[str, float]] = []
+        # Its thread also drives the deadlines (start and elastic timeouts) between joins.
+        self._heartbeats = HeartbeatMonitor(settings.heartbeat_s, self._on_silent,
+                                            self._on_checked)
 
     # ------------------------------------------------------------------ handlers
 
@@ -202,7 +203,7 @@ class ElasticDriver:
     def beat(self, worker: str, generation: int) -> str | None:
         """Record a heartbeat; return why ``generation`` is broken (the worker aborts), or None."""
         with self._cond:
-            self._last_beat[worker] = time.monotonic()
+            self._heartbeats.touch(worker)
             if self.fatal:
                 return self.fatal
             if generation and generation == self.generation and self._broken:
@@ -239,12 +240,11 @@ class ElasticDriver:
 
     def close(self) -> None:
         """Stop the heartbeat checker and wake every waiting join."""
-        self._closed.set()
         with self._cond:
             if self.fatal is None and not self.finished:
                 self.fatal = "the elastic job was stopped by its launcher"
             self._cond.notify_all()
-        self._checker.join(2.0)
+        self._heartbeats.close()
 
     def fail(self, reason: str) -> None:
         """End the job: every join and heartbeat gets ``reason``."""
@@ -288,7 +288,7 @@ class ElasticDriver:
         host = self._alive.pop(worker)
         self.lost[worker] = f"on {host} {reason}"
         self._waiting.discard(worker)
-        self._last_beat.pop(worker, None)
+        self._heartbeats.forget(worker)
         if worker in self.members and not self.finished:
             rank = self.members[worker].rank
             who = f"worker {worker}{self._labels.get(worker, '')} on {host}"
@@ -357,9 +357,8 @@ class ElasticDriver:
         self._waiting -= set(chosen)
         cause, self._broken = self._broken, None
         self._formed_version = self.version
-        now = time.monotonic()
         for worker in chosen:
-            self._last_beat[worker] = now  # the clock restarts with the new ring
+            self._heartbeats.touch(worker)  # the clock restarts with the new ring
         hosts = sorted({info.host for info in self.members.values()})
         line = (f"generation {self.generation}: {len(chosen)} ranks on {len(hosts)} host(s)")
         if cause:
@@ -367,20 +366,22 @@ class ElasticDriver:
         self._on_event(line)
         self._cond.notify_all()
 
-    def _check_loop(self) -> None:
-        while not self._closed.wait(_CHECK_PERIOD_S):
-            events: list[tuple[str, str]] = []
-            with self._cond:
-                limit = self.settings.heartbeat_s
-                if limit > 0:
-                    now = time.monotonic()
-                    for worker, last in list(self._last_beat.items()):
-                        if worker in self._alive and now - last > limit:
-                            events += self._lose(worker, (
-                                f"sent no heartbeat for {now - last:.0f} s (its process or "
-                                "executor died or froze, or its host is unreachable)"))
-                events += self._try_form()
-            self._notify_lost(events)
+    def _on_silent(self, worker: str, seconds: float) -> None:
+        # Only collected: _on_checked, next in the same thread, loses them all at once
+        # before the next generation may form.
+        self._silent.append((worker, seconds))
+
+    def _on_checked(self) -> None:
+        """After each heartbeat check: lose the silent workers, then try to form."""
+        silent, self._silent = self._silent, []
+        events: list[tuple[str, str]] = []
+        with self._cond:
+            for worker, seconds in silent:
+                events += self._lose(worker, (
+                    f"sent no heartbeat for {seconds:.0f} s (its process or executor died "
+                    "or froze, or its host is unreachable)"))
+            events += self._try_form()
+        self._notify_lost(events)
 
     def _notify_lost(self, events: list[tuple[str, str]]) -> None:
         for worker, reason in events:

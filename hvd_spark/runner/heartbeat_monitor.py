@@ -1,52 +1,69 @@
-"""Launcher side of the ranks' heartbeat in fixed-size jobs: notice a silent rank.
+"""Launcher side of the workers' heartbeat: notice a silent worker.
 
 A rank whose process froze or whose host was cut off sends no TCP reset, so its peers
 would wait for the collective timeout. Ranks beat to the launcher's store (see
-``hvd_spark.collectives.heartbeat``); this monitor calls ``on_silent`` for a rank that
-fell silent, and answers the other ranks' beats with the reason, which aborts their
-collectives at once.
+``hvd_spark.collectives.heartbeat``); this monitor calls ``on_silent`` for a worker that
+fell silent. Fixed-size launchers serve :meth:`HeartbeatMonitor.beat`, which answers the
+other ranks' beats with the abort reason and so ends their collectives at once; the
+elastic driver records beats with :meth:`HeartbeatMonitor.touch` and answers them itself.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 BEAT = "beat"
 _CHECK_PERIOD_S = 0.25
 
 
 class HeartbeatMonitor:
-    """Tracks the last beat of each rank.
+    """Tracks the last beat of each worker, in a thread that checks every 0.25 s.
+
+    Workers are keyed by any hashable id: ranks (``int``) in fixed-size jobs, worker
+    ids (``str``) in elastic ones.
 
     Args:
-        limit: Seconds of silence after which a rank counts as lost.
-        on_silent: Called once per silent rank with ``(rank, seconds silent)``.
+        limit: Seconds of silence after which a worker counts as lost (<= 0: never).
+        on_silent: Called once per silent worker with ``(worker, seconds silent)``; the
+            worker is no longer watched until its next beat.
+        on_checked: Called after each check, once its ``on_silent`` calls are made (the
+            elastic driver acts on the silent workers together, and on its deadlines).
     """
 
-    def __init__(self, limit: float, on_silent: Callable[[int, float], None]) -> None:
+    def __init__(self, limit: float, on_silent: Callable[[Hashable, float], None],
+                 on_checked: Callable[[], None] | None = None) -> None:
         self.limit = limit
         self._on_silent = on_silent
+        self._on_checked = on_checked or (lambda: None)
         self._lock = threading.Lock()
-        self._last: dict[int, float] = {}
-        self._silent: dict[int, float] = {}
+        self._last: dict[Hashable, float] = {}
         self.abort_reason: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hvd-heartbeats", daemon=True)
         self._thread.start()
 
     def beat(self, worker: str, generation: int) -> str | None:
-        """Store handler: record a beat; return why the job is breaking up, if it is."""
+        """Store handler of fixed-size jobs: record rank ``worker``'s beat.
+
+        Returns:
+            Why the job is breaking up (the rank aborts its collectives), or None.
+        """
         del generation  # fixed-size jobs have one ring
         with self._lock:
             self._last[int(worker)] = time.monotonic()
             return self.abort_reason
 
-    def forget(self, rank: int) -> None:
-        """Stop watching ``rank`` (its process ended)."""
+    def touch(self, worker: Hashable) -> None:
+        """Record a beat of ``worker`` now (also: start or restart its clock)."""
         with self._lock:
-            self._last.pop(rank, None)
+            self._last[worker] = time.monotonic()
+
+    def forget(self, worker: Hashable) -> None:
+        """Stop watching ``worker`` (its process ended, or it was declared lost)."""
+        with self._lock:
+            self._last.pop(worker, None)
 
     def abort(self, reason: str) -> None:
         """Tell every rank at its next beat that the job is breaking up."""
@@ -56,15 +73,22 @@ class HeartbeatMonitor:
 
     def _loop(self) -> None:
         while not self._stop.wait(_CHECK_PERIOD_S):
-            now = time.monotonic()
-            with self._lock:
-                silent = {r: now - t for r, t in self._last.items() if now - t > self.limit}
-                for rank in silent:
-                    del self._last[rank]
-            for rank, seconds in sorted(silent.items()):
-                self._on_silent(rank, seconds)
+            for worker, seconds in self._take_silent():
+                self._on_silent(worker, seconds)
+            self._on_checked()
+
+    def _take_silent(self) -> list[tuple[Hashable, float]]:
+        """The workers silent for over ``limit`` s, sorted, no longer watched."""
+        if self.limit <= 0:
+            return []
+        now = time.monotonic()
+        with self._lock:
+            silent = {w: now - t for w, t in self._last.items() if now - t > self.limit}
+            for worker in silent:
+                del self._last[worker]
+        return sorted(silent.items())
 
     def close(self) -> None:
-        """Stop watching."""
+        """Stop watching (waits up to 2 s for a check in progress)."""
         self._stop.set()
         self._thread.join(2.0)
