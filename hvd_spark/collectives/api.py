@@ -379,6 +379,12 @@ def _set_rank(process_set: ProcessSet, global_rank: int, what: str) -> int:
 
 # ---------------------------------------------------------------------- allreduce
 
+def _eager_bytes() -> int:
+    """Largest allreduce that travels with its negotiation (the engine's setting)."""
+    engine = _engine
+    return engine.eager_bytes if engine is not None else 0
+
+
 def _allreduce_build(array, op, prescale, postscale, inplace: bool):
     def build(key: str, members):
         arr = _as_array(array, f"allreduce {key!r}")
@@ -400,8 +406,13 @@ def _allreduce_build(array, op, prescale, postscale, inplace: bool):
             if work is arr:
                 work = np.array(work, copy=True)  # never scale the caller's data before sending
             scale_in_place(work, prescale)
+        payload = None
+        if work.nbytes <= _eager_bytes() and reduce_op != ReduceOp.Adasum:
+            # Small: the tensor rides on the request and rank 0 reduces it (no ring).
+            payload = (work if source is None else source).reshape(-1)
         request = m.Request(key, m.ALLREDUCE, _dtype_name(work.dtype), work.shape, int(reduce_op),
-                            float(prescale), float(postscale), members=members)
+                            float(prescale), float(postscale), members=members,
+                            payload=payload)
         if source is not None:
             return request, work, None, source
         return request, work, (_in_place_finish(arr) if inplace else None)

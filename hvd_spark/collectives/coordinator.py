@@ -9,12 +9,21 @@ that set's members, and ranks that called ``join()`` stand in with zeros.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import math
 
 import numpy as np
 
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives.messages import Request, Response
-from hvd_spark.collectives.ops import ReduceOp, check_dtype, check_reduction
+from hvd_spark.collectives.ops import (
+    ReduceOp,
+    check_dtype,
+    check_reduction,
+    finish_average,
+    reduce_into,
+    scale_in_place,
+)
 from hvd_spark.errors import CollectiveError
 
 
@@ -91,6 +100,32 @@ def validate(name: str, requests: dict[int, Request], size: int) -> Response:
     if kind == m.ALLTOALL:
         return _alltoall_response(name, [requests[r] for r in ranks], first.members)
     return Response(kind, (name,), members=first.members)
+
+
+def eager_result(requests: dict[int, Request]) -> np.ndarray | None:
+    """Reduce an allreduce whose every request carries its tensor (``Request.payload``).
+
+    The payloads are combined in rank order, so every member receives the same bits.
+
+    Returns:
+        The flat result, or None when some rank sent no payload (or not a usable one):
+        the ranks then run the allreduce on the backend as usual.
+    """
+    ranks = sorted(requests)
+    first = requests[ranks[0]]
+    op = ReduceOp(first.op)
+    dtype, count = np.dtype(first.dtype), math.prod(first.shape)
+    payloads = [requests[r].payload for r in ranks]
+    if op == ReduceOp.Adasum or any(
+            p is None or p.dtype != dtype or p.size != count for p in payloads):
+        return None
+    out = np.array(payloads[0], copy=True).reshape(-1)
+    for payload in payloads[1:]:
+        reduce_into(out, payload.reshape(-1), op)
+    if op == ReduceOp.Average:
+        finish_average(out, len(ranks))
+    scale_in_place(out, first.postscale)
+    return out
 
 
 def _alltoall_response(name: str, requests: list[Request], members) -> Response:
@@ -211,6 +246,11 @@ class Coordinator:
         self._warned.discard(name)
         if entry:
             self._requests[name] = entry[min(entry)]
+            if (response.kind == m.ALLREDUCE and response.error is None
+                    and not response.joined):
+                data = eager_result(entry)
+                if data is not None:
+                    response = dataclasses.replace(response, data=data)
         self._ready[name] = response
 
     def has_ready(self) -> bool:
@@ -232,7 +272,8 @@ class Coordinator:
         for name, response in self._ready.items():
             request = self._requests.pop(name, None)
             if (response.kind != m.ALLREDUCE or response.error or request is None
-                    or response.joined or request.op == ReduceOp.Adasum):
+                    or response.joined or request.op == ReduceOp.Adasum
+                    or response.data is not None):  # reduced already: nothing to fuse
                 out.append(response)
                 continue
             key = (request.dtype, request.device, request.op, request.prescale, request.postscale,

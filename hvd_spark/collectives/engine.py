@@ -1,10 +1,14 @@
-"""The background thread that negotiates, fuses and runs collectives.
+"""The TCP backend's engine: negotiation through rank 0 over control sockets.
 
 Callers enqueue named requests and get handles. Rank 0's engine coordinates: the
 others send it their requests over their control sockets; once every rank asked
 for a name (and they agree), it sends the same ordered response list to all, and
 every rank runs it on the backend. So ranks may issue operations in any order,
 and a disagreement becomes an error on every rank instead of a hang.
+
+The cycle runs on the background thread, or on a caller's thread while it waits
+(``EngineCore.wait``); the background thread parks meanwhile, so the two never
+race for a control socket's messages.
 """
 
 from __future__ import annotations
@@ -14,20 +18,16 @@ import select
 import socket
 import threading
 import time
-from collections import deque
 
-from hvd_spark.collectives import messages as m
-from hvd_spark.collectives import operations, timeline
+from hvd_spark.collectives import timeline
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
-from hvd_spark.collectives.nccl import arrays
-from hvd_spark.collectives.operations import Entry, Handle
+from hvd_spark.collectives.engine_core import EngineCore, timeline_row
+from hvd_spark.collectives.operations import Entry
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import (
-    CollectiveArgumentError,
     CollectiveError,
-    HorovodInternalError,
     HvdSparkError,
     PeerDisconnectedError,
 )
@@ -37,21 +37,17 @@ log = logging.getLogger(__name__)
 _IDLE_POLL_S = 1.0
 _BYE_WAIT_S = 10.0
 _ABORT_SEND_S = 1.0
+# While callers drive, and this long after the last left, the background thread stands
+# aside; it re-checks this often (the latest an unwaited async operation starts then).
+_PARK_S = 2e-3
+# Rank 0's background thread, woken by a local submission, first gives the submitting
+# thread this long to come and wait (a synchronous call does at once): then that thread
+# runs the operation itself, instead of receiving the result across threads.
+_GRACE_S = 200e-6
 
 
-def _row(name: str, kind: str) -> str:
-    """A tensor's timeline row, named as Horovod's are: ``<kind>.<name>``."""
-    return name if name.startswith(kind) else f"{kind}.{name}"
-
-
-def _zeros_entry(template) -> Entry:
-    """A joined rank's stand-in for an allreduce it never submitted: zeros of that shape."""
-    return Entry(template, Handle(template.name),
-                 arrays.zeros(template.shape, template.dtype, template.device))
-
-
-class Engine:
-    """Runs one rank's collectives in a background thread.
+class Engine(EngineCore):
+    """Runs one rank's collectives: a background thread, or the waiting caller.
 
     Args:
         rank, size: This rank and the world size.
@@ -68,61 +64,36 @@ class Engine:
         control: dict[int, socket.socket],
         config: EngineConfig,
     ) -> None:
-        self.rank, self.size = rank, size
-        self.comm = comm
-        self.config = config
+        super().__init__(rank, size, comm, config)
         self._control = dict(control)
         self._sock_rank = {s.fileno(): r for r, s in self._control.items()}
         self._coordinator = Coordinator(size, config.fusion_threshold) if rank == 0 else None
-        self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._queue: deque[Entry] = deque()
-        self._pending: dict[str, Entry] = {}
-        self._names_in_flight: set[str] = set()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self._failure: BaseException | None = None
-        self._stopping = False
         self._bye_from: set[int] = set()
         self._first_ready: float | None = None
-        self._subcomms: dict[tuple[int, ...], Communicator] = {}
-        #: Responses executed and tensors they covered; fused allreduces make these differ.
-        self.executed_responses = 0
-        self.executed_tensors = 0
+        self._told_others = False
+        self._watching = False  # the background thread selects on the control sockets
+        self._parked = False  # the background thread stands aside for driving callers
+        self._driver_came = threading.Event()
+        self._driver_left_at = 0.0
         self._thread = threading.Thread(target=self._run, name="hvd-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ caller side
 
-    def submit(self, entry: Entry) -> Handle:
-        """Queue an operation; returns its handle at once."""
-        return self.submit_many([entry])[0]
+    def _queues_locally(self) -> bool:
+        return self._coordinator is not None
 
-    def submit_many(self, entries: list[Entry]) -> list[Handle]:
-        """Queue operations as one batch, so the coordinator sees (and fuses) them together."""
-        names = [e.request.name for e in entries]
-        with self._lock:
-            if self._failure is not None:
-                raise self._error_for(names[0])
-            if self._stopping:
-                raise CollectiveError(
-                    f"collective {names[0]!r}: hvd_spark was shut down on this rank")
-            clash = [n for n in names if n in self._names_in_flight]
-            if clash or len(set(names)) != len(names):
-                raise CollectiveArgumentError(
-                    f"a collective named {(clash or names)[0]!r} is already in flight on rank "
-                    f"{self.rank}; names must be unique until the operation completes"
-                )
-            self._names_in_flight.update(names)
-            for entry in entries:
-                self._pending[entry.request.name] = entry
-            if self._coordinator is not None:
-                self._queue.extend(entries)
-        if self._coordinator is not None:
-            self._wake()
-        else:
+    def _submitted(self, entries: list[Entry]) -> None:
+        if self._coordinator is None:
+            # The response wakes the background thread, or a waiting caller reads it.
             self._send_requests(entries)
-        return [e.handle for e in entries]
+        elif not self._parked:
+            # Parked, it looks again within _PARK_S unless a caller drives first; not
+            # waking it spares a synchronous call a GIL hand-off.
+            self._wake()
 
     def _send_requests(self, entries: list[Entry]) -> None:
         """Tell the coordinator straight from the caller's thread: one hop less per op."""
@@ -138,9 +109,20 @@ class Engine:
                     self._failure = exc
             raise self._error_for(entries[0].request.name) from exc
 
-    def wait(self, handle: Handle):
-        """Wait for ``handle`` with the engine's deadline."""
-        return handle.wait(self.config.timeout + 30.0)
+    def _driver_arrived(self) -> None:
+        self._driver_came.set()
+        if self._watching:
+            self._wake()  # it must leave the control sockets to this caller
+
+    def _driver_left(self) -> None:
+        self._driver_left_at = time.monotonic()
+
+    def _drive(self, timeout: float) -> None:
+        self._cycle(timeout)
+
+    def _failed_while_driving(self) -> None:
+        self._tell_others(self._failure)
+        self._wake()  # the background thread sees the failure and closes
 
     def shutdown(self) -> None:
         """Leave the job gracefully: tell the coordinator, wait for all ranks, close."""
@@ -168,46 +150,74 @@ class Engine:
         self.comm.abort()
         self._wake()
 
-    @property
-    def failure(self) -> BaseException | None:
-        """The error that stopped the engine, if any."""
-        return self._failure
-
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass
 
-    def _error_for(self, name: str) -> CollectiveError:
-        cause = self._failure
-        cls = (PeerDisconnectedError if isinstance(cause, PeerDisconnectedError)
-               else HorovodInternalError)
-        return cls(
-            f"collective {name!r} cannot run: the collectives engine on rank {self.rank} stopped "
-            f"after an earlier failure: {cause}"
-        )
-
-    # ------------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------------ background thread
 
     def _run(self) -> None:
         try:
             while True:
-                if self._stopping and not self._queue:
-                    self._leave()
-                    return
-                self._cycle()
+                if self._drivers and self._failure is None and not self._stopping:
+                    self._park()
+                    continue
+                with self._progress:
+                    if self._failure is not None:
+                        raise self._failure
+                    if self._stopping and not self._queue and not self._drivers:
+                        self._leave()
+                        return
+                    self._cycle(0.0)
+                    timeout = self._next_timeout()
+                self._watch(timeout)
         except BaseException as exc:  # noqa: BLE001 - every error fails the pending handles
             self._fail(exc)
             self._tell_others(self._failure)
         finally:
-            self._close()
+            with self._progress:
+                self._close()
+
+    def _park(self) -> None:
+        """Stand aside while callers drive, and for ``_PARK_S`` after the last one left
+        (a training loop's next synchronous call comes soon); then look for work."""
+        self._parked = True
+        try:
+            while not self._failure and not self._stopping and (
+                    self._drivers or time.monotonic() - self._driver_left_at < _PARK_S):
+                select.select([self._wake_r], [], [], _PARK_S)
+                self._drain_wake()
+        finally:
+            self._parked = False
+
+    def _watch(self, timeout: float) -> None:
+        """Wait for messages or submissions, unless a caller is about to drive."""
+        self._driver_came.clear()
+        self._watching = True
+        try:
+            if self._drivers:
+                return  # it came meanwhile (it saw _watching unset, or will wake us)
+            readable, _, _ = select.select([self._wake_r, *self._control.values()], [], [],
+                                           timeout)
+            if readable == [self._wake_r] and self._queue and not self._drivers:
+                self._driver_came.wait(_GRACE_S)
+        finally:
+            self._watching = False
+
+    def _next_timeout(self) -> float:
+        if self._coordinator is not None and self._coordinator.has_ready():
+            return self._cycle_remaining()
+        return _IDLE_POLL_S
 
     def _tell_others(self, failure: BaseException | None) -> None:
         """Rank 0: pass the reason it stopped to every rank before closing, so they fail
         with the root cause ("rank 1 disconnected") instead of "rank 0 disconnected"."""
-        if self._coordinator is None or not isinstance(failure, PeerDisconnectedError):
+        if (self._coordinator is None or self._told_others
+                or not isinstance(failure, PeerDisconnectedError)):
             return
+        self._told_others = True
         for peer, sock in self._control.items():
             try:
                 sock.settimeout(_ABORT_SEND_S)
@@ -216,17 +226,16 @@ class Engine:
             except (HvdSparkError, OSError):
                 pass  # that peer is gone too, or stuck: closing tells it anyway
 
-    def _cycle(self) -> None:
-        timeout = _IDLE_POLL_S
-        if self._coordinator is not None and self._coordinator.has_ready():
-            timeout = self._cycle_remaining()
+    def _cycle(self, max_wait: float) -> None:
+        """Wait up to ``max_wait`` s for messages, then handle all that arrived."""
+        timeout = 0.0 if self._queue else min(max_wait, self._next_timeout())
         readable, _, _ = select.select([self._wake_r, *self._control.values()], [], [], timeout)
         new = self._drain_local()
         tl = timeline.current() if self._coordinator is not None else None
         if tl is not None:
             tl.mark_cycle()
             for entry in new:
-                tl.negotiate_start(_row(entry.request.name, entry.request.kind),
+                tl.negotiate_start(timeline_row(entry.request.name, entry.request.kind),
                                    entry.request.kind)
         if self._coordinator is not None:
             now = time.monotonic()
@@ -238,12 +247,15 @@ class Engine:
         if self._coordinator is not None:
             self._coordinate()
 
-    def _drain_local(self) -> list[Entry]:
+    def _drain_wake(self) -> None:
         try:
             while self._wake_r.recv(4096):
                 pass
         except (BlockingIOError, InterruptedError):
             pass
+
+    def _drain_local(self) -> list[Entry]:
+        self._drain_wake()
         with self._lock:
             new = list(self._queue)
             self._queue.clear()
@@ -263,7 +275,7 @@ class Engine:
             tl = timeline.current()
             for request in payload:
                 if tl is not None:
-                    row = _row(request.name, request.kind)
+                    row = timeline_row(request.name, request.kind)
                     tl.negotiate_start(row, request.kind)
                     tl.negotiate_rank_ready(row, peer)
                 self._coordinator.add(peer, request, now)
@@ -314,72 +326,6 @@ class Engine:
         for response in responses:
             self._execute(response)
 
-    def _execute(self, response) -> None:
-        members = response.members
-        if members is not None and self.rank not in members:
-            return  # another process set's operation
-        with self._lock:
-            entries = [self._pending.pop(n) for n in response.names if n in self._pending]
-        if response.error:
-            for entry in entries:
-                self._complete(entry, error=CollectiveArgumentError(response.error))
-            return
-        if response.kind == m.JOIN:
-            for entry in entries:
-                self._complete(entry, result=response.result)
-            return
-        if len(entries) != len(response.names):
-            if self.rank in response.joined and not entries:
-                entries = [_zeros_entry(t) for t in response.templates or ()]
-            else:
-                missing = [n for n in response.names
-                           if n not in {e.request.name for e in entries}]
-                raise CollectiveError(
-                    f"rank {self.rank} was told to run {missing} it never submitted")
-        tl = timeline.current() if self._coordinator is not None else None
-        trace = None
-        if tl is not None:
-            rows = [_row(n, response.kind) for n in response.names]
-            tl.negotiate_end_all(rows)
-            tl.start_all(rows, response.kind.upper())
-            tl.activity_start_all(rows, timeline.QUEUE)  # until the first phase begins
-            trace = lambda activity: tl.activity_start_all(rows, activity)  # noqa: E731
-        try:
-            results = operations.execute(self._comm_for(members), response, entries, trace)
-            if tl is not None:
-                tl.end_all(rows)
-        except BaseException as exc:
-            # These entries left _pending already: complete them here with the real error,
-            # or their callers would wait for the timeout.
-            failure = exc if isinstance(exc, HvdSparkError) else CollectiveError(
-                f"collective {response.names[0]!r} failed on rank {self.rank}: {exc!r}")
-            if self._failure is not None:  # aborted: the reason beats the socket error
-                failure = self._error_for(response.names[0])
-            for entry in entries:
-                self._complete(entry, error=failure)
-            raise
-        self.executed_responses += 1
-        self.executed_tensors += len(entries)
-        for entry, result in zip(entries, results):
-            self._complete(entry, result=result)
-
-    def _comm_for(self, members: tuple[int, ...] | None) -> Communicator:
-        """The communicator of a process set (made at its first operation, then kept)."""
-        if members is None:
-            return self.comm
-        comm = self._subcomms.get(members)
-        if comm is None:
-            comm = self._subcomms[members] = self.comm.subset(members)
-        return comm
-
-    def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
-        with self._lock:
-            self._names_in_flight.discard(entry.request.name)
-        if error is not None:
-            entry.handle.set_error(error)
-        else:
-            entry.handle.set_result(result)
-
     def _leave(self) -> None:
         """Graceful exit: everyone says bye to rank 0, which releases all once all did."""
         if self.size == 1:
@@ -409,32 +355,13 @@ class Engine:
                 if kind == "bye":
                     self._bye_from.add(peer)
 
-    def _fail(self, exc: BaseException) -> None:
-        if not isinstance(exc, HvdSparkError):
-            exc = CollectiveError(f"collectives engine on rank {self.rank} failed: {exc!r}")
-        log.debug("engine on rank %d stopping: %s", self.rank, exc)
-        with self._lock:
-            if self._failure is None:  # an abort's reason stays the reason
-                self._failure = exc
-            entries = list(self._pending.values())  # queued entries are pending too
-            self._pending.clear()
-            self._queue.clear()
-        for entry in entries:
-            self._complete(entry, error=self._error_for(entry.request.name))
-
     def _close(self) -> None:
         # Closing our sockets makes every peer blocked on us fail at once, not at a timeout.
+        self._closed = True
         self.comm.close()
         for sock in [*self._control.values(), self._wake_r, self._wake_w]:
             try:
                 sock.close()
             except OSError:
                 pass
-        with self._lock:
-            if self._failure is None:
-                self._failure = CollectiveError("hvd_spark.collectives was shut down")
-            leftovers = list(self._pending.values())
-            self._pending.clear()
-            self._queue.clear()
-        for entry in leftovers:
-            self._complete(entry, error=self._error_for(entry.request.name))
+        self._fail_pending()

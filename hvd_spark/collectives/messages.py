@@ -40,6 +40,9 @@ class Request:
             ranks' automatic names stay aligned.
         device: Where the tensor lives, "cpu" or "cuda": every rank must agree (the
             bytes take a device path or the host path, never both).
+        payload: A small CPU allreduce's input, flat, sent along with the request so
+            rank 0 can reduce it during negotiation (``EngineConfig.eager_bytes``);
+            None otherwise. Not part of what ranks must agree on.
     """
 
     name: str
@@ -54,6 +57,7 @@ class Request:
     members: tuple[int, ...] | None = None
     error: str | None = None
     device: str = "cpu"
+    payload: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -75,6 +79,8 @@ class Response:
         joined: Ranks that had called ``join()``: they run the allreduce on zeros.
         templates: With ``joined``, the requests the joined ranks build their zeros from.
         result: Join: the last rank to join.
+        data: An allreduce reduced during negotiation: the flat result every member
+            copies into its output (see ``Request.payload``).
     """
 
     kind: str
@@ -86,3 +92,4 @@ class Response:
     joined: tuple[int, ...] = ()
     templates: tuple[Request, ...] | None = None
     result: int | None = None
+    data: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)

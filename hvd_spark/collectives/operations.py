@@ -50,6 +50,10 @@ class Handle:
         self._error = error
         self._event.set()
 
+    def wait_done(self, timeout: float) -> bool:
+        """Block until done, at most ``timeout`` s; True when done (never raises)."""
+        return self._event.wait(timeout)
+
     def wait(self, timeout: float) -> Any:
         """Block until done, at most ``timeout`` s; return the result or raise its error."""
         if not self._event.wait(timeout):

@@ -61,11 +61,83 @@ def out_of_order_and_fusion() -> dict:
 
     engine = api._engine
     before = (engine.executed_responses, engine.executed_tensors)
-    handles = [hvd.allreduce_async(np.full(100, i, np.float32), name=f"g{i}") for i in range(64)]
+    # Above the eager size, so they take the ring (fused); eager ones have nothing to fuse.
+    rows = engine.eager_bytes // 4 + 1
+    handles = [hvd.allreduce_async(np.full(rows, i, np.float32), name=f"g{i}") for i in range(64)]
     fused_ok = all(np.allclose(hvd.synchronize(h), i) for i, h in enumerate(handles))
     after = (engine.executed_responses, engine.executed_tensors)
     return {"ooo": ooo, "fused_ok": fused_ok, "responses": after[0] - before[0],
             "tensors": after[1] - before[1]}
+
+
+def eager_paths() -> dict:
+    """Small allreduces reduced during negotiation: every op, dtype and scaling, in place
+    and out of place, any submission order, sizes either side of the eager limit."""
+    import threading
+
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    engine = api._engine
+    out: dict = {"limit": engine.eager_bytes}
+    eager_before = engine.executed_eager
+    x = np.arange(12, dtype=np.float64).reshape(3, 4) * (r + 1) - 5
+    for op in ("Sum", "Average", "Min", "Max", "Product"):
+        out[op] = hvd.allreduce(x, op=getattr(hvd, op), name=f"e.{op}")
+    out["scaled"] = hvd.allreduce(x.astype(np.float32), op=hvd.Sum, prescale_factor=0.5,
+                                  postscale_factor=3.0)
+    out["int_avg"] = hvd.allreduce(np.array([7 * r + 1, -3], np.int32))
+    out["bool_or"] = hvd.allreduce(np.array([r == 0, False]), op=hvd.Sum)
+    out["f16"] = hvd.allreduce(np.full(5, 0.125 * (r + 1), np.float16), op=hvd.Sum)
+    out["zero_d"] = hvd.allreduce(np.float32(r + 1), op=hvd.Sum)
+    out["empty"] = hvd.allreduce(np.zeros((0, 3), np.float32), op=hvd.Sum)
+    inplace = np.arange(8, dtype=np.float32) + r
+    hvd.allreduce_(inplace, op=hvd.Sum)
+    out["inplace"] = inplace
+    strided = (np.arange(20, dtype=np.float64) * (r + 1))[::3]
+    out["strided_input_kept"] = bool((strided == (np.arange(20) * (r + 1))[::3]).all())
+    out["strided"] = hvd.allreduce(strided, op=hvd.Sum)
+    # Submitted in opposite orders on even and odd ranks, completed in yet another order.
+    names = [f"o{i}" for i in range(6)]
+    order = names if r % 2 == 0 else names[::-1]
+    handles = {nm: hvd.allreduce_async(np.full(3, float(names.index(nm) + r)), name=nm,
+                                       op=hvd.Sum) for nm in order}
+    out["orders"] = [hvd.synchronize(handles[nm]).tolist() for nm in sorted(names)[::-1]]
+    # The same name with a new shape each step (as a model whose batch changes).
+    out["reshaped"] = [hvd.allreduce(np.ones(k) * (r + 1), name="same", op=hvd.Sum).tolist()
+                       for k in (1, 5, 2)]
+    # Either side of the limit: the same values, one eager and one through the ring.
+    limit_rows = engine.eager_bytes // 8
+    before = engine.executed_eager
+    at = hvd.allreduce(np.arange(limit_rows, dtype=np.float64) + r, op=hvd.Sum)
+    above = hvd.allreduce(np.arange(limit_rows + 1, dtype=np.float64) + r, op=hvd.Sum)
+    out["at_limit_eager"] = engine.executed_eager - before == 1
+    out["at_ok"] = bool((at == n * np.arange(limit_rows) + sum(range(n))).all())
+    out["above_ok"] = bool((above == n * np.arange(limit_rows + 1) + sum(range(n))).all())
+    # Several threads waiting at once: whoever drives completes the others' operations.
+    results: dict = {}
+
+    def worker(t: int) -> None:
+        results[t] = [float(hvd.allreduce(np.array([t + r], np.float32), name=f"t{t}.{i}",
+                                          op=hvd.Sum)[0]) for i in range(20)]
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    out["threads"] = {t: results.get(t) for t in range(4)}
+    # An async operation nobody waits for still completes (the background thread runs it).
+    handle = hvd.allreduce_async(np.ones(2) * (r + 1), name="unwaited", op=hvd.Sum)
+    deadline = time.monotonic() + 10
+    while not hvd.poll(handle) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    out["unwaited_done"] = hvd.poll(handle)
+    out["unwaited"] = hvd.synchronize(handle).tolist()
+    out["eager_count"] = engine.executed_eager - eager_before
+    hvd.shutdown()
+    return out
 
 
 def freeze_rank_one() -> None:

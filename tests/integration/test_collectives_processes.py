@@ -18,10 +18,45 @@ from hvd_spark.runner.local_launcher import rank_env
 from tests.integration import collective_jobs as jobs
 
 
+@pytest.mark.parametrize("num_proc", [2, 3])
+def test_eager_small_allreduces_match_numpy_and_agree_bitwise(num_proc):
+    results = run_local(jobs.eager_paths, num_proc=num_proc)
+    n = num_proc
+    xs = [np.arange(12, dtype=np.float64).reshape(3, 4) * (r + 1) - 5 for r in range(n)]
+    expect = {"Sum": sum(xs), "Average": sum(xs) / n, "Min": np.minimum.reduce(xs),
+              "Max": np.maximum.reduce(xs), "Product": np.multiply.reduce(xs)}
+    first = results[0]
+    for r, out in enumerate(results):
+        for op, want in expect.items():
+            np.testing.assert_allclose(out[op], want, err_msg=op)
+            assert out[op].tobytes() == first[op].tobytes(), f"{op} differs on rank {r}"
+        np.testing.assert_allclose(
+            out["scaled"], 3.0 * sum(0.5 * x.astype(np.float32) for x in xs), rtol=1e-6)
+        assert out["int_avg"].tolist() == [int(sum(7 * k + 1 for k in range(n)) / n), -3]
+        assert out["bool_or"].tolist() == [True, False] and out["bool_or"].dtype == np.bool_
+        assert out["f16"].dtype == np.float16
+        assert out["f16"].tolist() == [0.125 * sum(range(1, n + 1))] * 5
+        assert out["zero_d"].shape == () and float(out["zero_d"]) == sum(range(1, n + 1))
+        assert out["empty"].shape == (0, 3)
+        assert out["inplace"].tolist() == [n * i + sum(range(n)) for i in range(8)]
+        assert out["strided_input_kept"]
+        np.testing.assert_allclose(out["strided"],
+                                   (np.arange(20) * sum(range(1, n + 1)))[::3])
+        assert out["orders"] == [[float(n * i + sum(range(n)))] * 3 for i in range(5, -1, -1)]
+        s = sum(range(1, n + 1))
+        assert out["reshaped"] == [[s] * 1, [s] * 5, [s] * 2]
+        assert out["at_limit_eager"] and out["at_ok"] and out["above_ok"]
+        assert out["threads"] == {t: [float(n * t + sum(range(n)))] * 20 for t in range(4)}
+        assert out["unwaited_done"] and out["unwaited"] == [float(s)] * 2
+        # Everything small above went eager: 5 ops + 7 + 6 orders + 3 + 1 + 80 + 1.
+        assert out["eager_count"] >= 100
+
+
 @pytest.mark.parametrize("num_proc,env", [
     (2, {}),
     (3, {"HVD_SPARK_DISABLE_SHM": "1"}),
     (4, {"HVD_SPARK_CHUNK_BYTES": "4096"}),
+    (2, {"HVD_SPARK_EAGER_BYTES": "0"}),  # small tensors through the ring too
 ])
 def test_every_operation(num_proc, env):
     results = run_local(jobs.all_ops, num_proc=num_proc, env=env)

@@ -104,7 +104,7 @@ def test_timeline_records_every_phase(tmp_path):
               and e.get("ph") in ("B", "E")]
     begun = [name for ph, name in phases if ph == "B"]
     assert begun[:3] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE"]
-    assert "RING_ALLREDUCE" in begun
+    assert "EAGER_ALLREDUCE" in begun  # small: reduced during negotiation, no ring
     assert sum(ph == "B" for ph, _ in phases) == sum(ph == "E" for ph, _ in phases)
     assert any(e.get("name") == "CYCLE_START" for e in events)
     meta = next(e for e in events if e.get("pid") == 0 and e["name"] == "process_name")

@@ -49,7 +49,9 @@ def _known_run(steps: int) -> int:
 
 def test_horovod_timeline_variable_records_a_known_run(tmp_path):
     path = tmp_path / "timeline.json"
-    env = {"HOROVOD_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": "1"}
+    # Eager off: these small tensors take the ring and fusion phases checked below.
+    env = {"HOROVOD_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": "1",
+           "HVD_SPARK_EAGER_BYTES": "0"}
     assert run_local(_known_run, args=(3,), num_proc=2, env=env) == [0, 1]
     events = _load(path)
     _assert_paired(events)
@@ -73,6 +75,18 @@ def test_horovod_timeline_variable_records_a_known_run(tmp_path):
         assert fused[:2] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"]
         assert fused.index("MEMCPY_IN_FUSION_BUFFER") < fused.index("RING_ALLREDUCE") < (
             fused.index("MEMCPY_OUT_FUSION_BUFFER"))
+
+
+def test_timeline_shows_small_allreduces_reduced_during_negotiation(tmp_path):
+    path = tmp_path / "timeline.json"
+    assert run_local(_known_run, args=(2,), num_proc=2,
+                     env={"HOROVOD_TIMELINE": str(path)}) == [0, 1]
+    events = _load(path)
+    _assert_paired(events)
+    rows = _rows(events)
+    for row in ("allreduce.test_allreduce", "allreduce.group.0"):
+        begins = [name for ph, name in _phases(events, rows[row]) if ph == "B"]
+        assert "EAGER_ALLREDUCE" in begins and "RING_ALLREDUCE" not in begins, begins
 
 
 def _dynamic(first: str, second: str) -> None:

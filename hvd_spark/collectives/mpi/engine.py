@@ -15,24 +15,16 @@ import logging
 import pickle
 import threading
 import time
-from collections import deque
 
-from hvd_spark.collectives import messages as m
-from hvd_spark.collectives import operations, timeline
+from hvd_spark.collectives import timeline
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
+from hvd_spark.collectives.engine_core import EngineCore, timeline_row
 from hvd_spark.collectives.mpi.communicator import MpiCommunicator
 from hvd_spark.collectives.mpi.negotiation import Negotiation
-from hvd_spark.collectives.nccl import arrays
-from hvd_spark.collectives.operations import Entry, Handle
+from hvd_spark.collectives.operations import Entry
 from hvd_spark.config import EngineConfig
-from hvd_spark.errors import (
-    CollectiveArgumentError,
-    CollectiveError,
-    HorovodInternalError,
-    HvdSparkError,
-    PeerDisconnectedError,
-)
+from hvd_spark.errors import CollectiveError
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +34,14 @@ BYE_WAIT_S = 10.0
 _MIN_TICK_S = 0.5e-3
 # After a cycle that ran something, how long to poll for the next submission.
 _LINGER_S = 200e-6
+# While callers drive, and this long after the last left, the background thread runs no
+# rounds of its own (a training loop's next synchronous call comes soon).
+_PARK_S = 2e-3
 
 
-def _row(name: str, kind: str) -> str:
-    return name if name.startswith(kind) else f"{kind}.{name}"
-
-
-class MpiEngine:
-    """Runs one rank's collectives in a background thread, negotiating over MPI.
+class MpiEngine(EngineCore):
+    """Runs one rank's collectives, negotiating over MPI: in a background thread, or on
+    the thread of a caller that waits (see ``EngineCore``).
 
     Args:
         comm: The data communicator.
@@ -61,61 +53,41 @@ class MpiEngine:
 
     def __init__(self, comm: MpiCommunicator, negotiation: Negotiation,
                  config: EngineConfig, routed: Communicator | None = None) -> None:
-        self.rank, self.size = comm.rank, comm.size
+        super().__init__(comm.rank, comm.size, routed or comm, config)
         self.mpi_comm = comm
-        self.comm = routed or comm
-        self.config = config
         self._negotiation = negotiation
         self._coordinator = Coordinator(self.size, config.fusion_threshold) if self.rank == 0 \
             else None
         self._tick = max(config.cycle_time_ms / 1000.0, _MIN_TICK_S)
-        self._lock = threading.Lock()
         self._wakeup = threading.Event()
-        self._queue: deque[Entry] = deque()
-        self._pending: dict[str, Entry] = {}
-        self._names_in_flight: set[str] = set()
-        self._failure: BaseException | None = None
-        self._stopping = False
         self._bye_since: dict[int, float] = {}  # rank 0: who said goodbye, when
         self._first_ready: float | None = None
         self._busy_since: float | None = None  # the last cycle that ran something
-        self._subcomms: dict[tuple[int, ...], Communicator] = {}
-        self.executed_responses = 0
-        self.executed_tensors = 0
+        self._stopped = False  # a round agreed that every rank stops
+        self._driver_left_at = 0.0
         self.cycles = 0
         self._thread = threading.Thread(target=self._run, name="hvd-engine-mpi", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ caller side
 
-    def submit(self, entry: Entry) -> Handle:
-        """Queue an operation; returns its handle at once."""
-        return self.submit_many([entry])[0]
+    def _submitted(self, entries: list[Entry]) -> None:
+        # A waiting caller runs the round itself; an unwaited one goes within a tick.
+        if not self._parked():
+            self._wakeup.set()
 
-    def submit_many(self, entries: list[Entry]) -> list[Handle]:
-        """Queue operations as one batch (one negotiation round carries them all)."""
-        names = [e.request.name for e in entries]
-        with self._lock:
-            if self._failure is not None:
-                raise self._error_for(names[0])
-            if self._stopping:
-                raise CollectiveError(
-                    f"collective {names[0]!r}: hvd_spark was shut down on this rank")
-            clash = [n for n in names if n in self._names_in_flight]
-            if clash or len(set(names)) != len(names):
-                raise CollectiveArgumentError(
-                    f"a collective named {(clash or names)[0]!r} is already in flight on rank "
-                    f"{self.rank}; names must be unique until the operation completes")
-            self._names_in_flight.update(names)
-            for entry in entries:
-                self._pending[entry.request.name] = entry
-            self._queue.extend(entries)
-        self._wakeup.set()
-        return [e.handle for e in entries]
+    def _driver_arrived(self) -> None:
+        pass  # the background thread checks for drivers before each round
 
-    def wait(self, handle: Handle):
-        """Wait for ``handle`` with the engine's deadline."""
-        return handle.wait(self.config.timeout + 30.0)
+    def _driver_left(self) -> None:
+        self._driver_left_at = time.monotonic()
+
+    def _drive(self, timeout: float) -> None:
+        del timeout  # a round waits for the slowest rank, within the engine's deadline
+        self._round()
+
+    def _failed_while_driving(self) -> None:
+        self._wakeup.set()  # the background thread sees the failure and closes
 
     def shutdown(self) -> None:
         """Leave the job: every rank's engine stops with this one (Horovod's behaviour)."""
@@ -126,7 +98,7 @@ class MpiEngine:
         self._wakeup.set()
         self._thread.join(self.config.timeout + BYE_WAIT_S)
 
-    def abort(self, error: HvdSparkError) -> None:
+    def abort(self, error) -> None:
         """Fail this rank's collectives now with ``error`` (from any thread)."""
         with self._lock:
             if self._failure is None:
@@ -134,37 +106,39 @@ class MpiEngine:
         self.comm.abort()
         self._wakeup.set()
 
-    @property
-    def failure(self) -> BaseException | None:
-        """The error that stopped the engine, if any."""
-        return self._failure
-
-    def _error_for(self, name: str) -> CollectiveError:
-        cause = self._failure
-        cls = (PeerDisconnectedError if isinstance(cause, PeerDisconnectedError)
-               else HorovodInternalError)
-        return cls(f"collective {name!r} cannot run: the collectives engine on rank {self.rank} "
-                   f"stopped after an earlier failure: {cause}")
-
     # ------------------------------------------------------------------ engine thread
+
+    def _parked(self) -> bool:
+        return bool(self._failure is None and not self._stopping and not self._stopped and (
+            self._drivers or time.monotonic() - self._driver_left_at < _PARK_S))
 
     def _run(self) -> None:
         graceful = False
         try:
-            while not self._cycle():
-                pass
+            while not self._stopped:
+                if self._parked():
+                    self._wakeup.wait(_PARK_S)
+                    self._wakeup.clear()
+                    continue
+                self._await_work()
+                self._wakeup.clear()
+                if self._parked():
+                    continue  # a caller came meanwhile: it runs the round
+                with self._progress:
+                    self._round()
             graceful = True
         except BaseException as exc:  # noqa: BLE001 - every error fails the pending handles
             self._fail(exc)
         finally:
-            self._close(graceful)
+            with self._progress:
+                self._close(graceful)
 
-    def _cycle(self) -> bool:
-        """One negotiation round and its operations; True when the engine stops."""
-        self._await_work()
-        self._wakeup.clear()
+    def _round(self) -> None:
+        """One negotiation round and its operations (sets ``_stopped`` when all stop)."""
         if self._failure is not None:
             raise self._failure
+        if self._stopped:
+            return
         with self._lock:
             new = list(self._queue)
             self._queue.clear()
@@ -175,15 +149,14 @@ class MpiEngine:
         self.cycles += 1
         if not answer:
             self._busy_since = None
-            return False
+            return
         responses, stop = pickle.loads(answer)
         self._busy_since = time.monotonic() if responses else None
         for response in responses:
             self._execute(response)
         if stop is not None:
             self._stop(stop)
-            return True
-        return False
+            self._stopped = True
 
     def _await_work(self) -> None:
         """Until a submission or the tick. Right after a busy cycle, first poll briefly
@@ -192,7 +165,7 @@ class MpiEngine:
         if self._busy_since is not None:
             until = time.monotonic() + _LINGER_S
             while time.monotonic() < until:
-                if self._queue or self._wakeup.is_set():
+                if self._queue or self._wakeup.is_set() or self._drivers:
                     return
                 time.sleep(0)  # lets the caller's thread take the GIL to submit
         self._wakeup.wait(self._tick)
@@ -209,7 +182,7 @@ class MpiEngine:
             requests, bye = pickle.loads(part)
             for request in requests:
                 if tl is not None:
-                    row = _row(request.name, request.kind)
+                    row = timeline_row(request.name, request.kind)
                     tl.negotiate_start(row, request.kind)
                     tl.negotiate_rank_ready(row, rank)
                 coord.add(rank, request, now)
@@ -259,67 +232,6 @@ class MpiEngine:
         self._first_ready = None
         return coord.take_responses()
 
-    # -- every rank: running what rank 0 decided
-
-    def _execute(self, response) -> None:
-        members = response.members
-        if members is not None and self.rank not in members:
-            return
-        with self._lock:
-            entries = [self._pending.pop(n) for n in response.names if n in self._pending]
-        if response.error:
-            for entry in entries:
-                self._complete(entry, error=CollectiveArgumentError(response.error))
-            return
-        if response.kind == m.JOIN:
-            for entry in entries:
-                self._complete(entry, result=response.result)
-            return
-        if len(entries) != len(response.names):
-            if self.rank in response.joined and not entries:
-                entries = [Entry(t, Handle(t.name), arrays.zeros(t.shape, t.dtype, t.device))
-                           for t in response.templates or ()]
-            else:
-                raise CollectiveError(f"rank {self.rank} was told to run {response.names} it "
-                                      "never submitted")
-        tl = timeline.current() if self.rank == 0 else None
-        trace = None
-        if tl is not None:
-            rows = [_row(n, response.kind) for n in response.names]
-            tl.negotiate_end_all(rows)
-            tl.start_all(rows, response.kind.upper())
-            trace = lambda activity: tl.activity_start_all(rows, activity)  # noqa: E731
-        try:
-            results = operations.execute(self._comm_for(members), response, entries, trace)
-            if tl is not None:
-                tl.end_all(rows)
-        except BaseException as exc:
-            failure = exc if isinstance(exc, HvdSparkError) else CollectiveError(
-                f"collective {response.names[0]!r} failed on rank {self.rank}: {exc!r}")
-            for entry in entries:
-                self._complete(entry, error=failure)
-            raise
-        self.executed_responses += 1
-        self.executed_tensors += len(entries)
-        for entry, result in zip(entries, results):
-            self._complete(entry, result=result)
-
-    def _comm_for(self, members: tuple[int, ...] | None) -> Communicator:
-        if members is None:
-            return self.comm
-        comm = self._subcomms.get(members)
-        if comm is None:
-            comm = self._subcomms[members] = self.comm.subset(members)
-        return comm
-
-    def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
-        with self._lock:
-            self._names_in_flight.discard(entry.request.name)
-        if error is not None:
-            entry.handle.set_error(error)
-        else:
-            entry.handle.set_result(result)
-
     def _stop(self, reason: str) -> None:
         """Every rank stops in the same cycle; a rank still working learns why."""
         with self._lock:
@@ -328,24 +240,14 @@ class MpiEngine:
                     reason or "another rank called shutdown(); no more collectives can run")
 
     def _fail(self, exc: BaseException) -> None:
-        if not isinstance(exc, HvdSparkError):
-            exc = CollectiveError(f"collectives engine on rank {self.rank} failed: {exc!r}")
-        log.debug("MPI engine on rank %d stopping: %s", self.rank, exc)
-        with self._lock:
-            if self._failure is None:
-                self._failure = exc
+        super()._fail(exc)
+        log.debug("MPI engine on rank %d stopping: %s", self.rank, self._failure)
         # Peers blocked in a round with us must not wait for the timeout.
-        self.mpi_comm.channel.send(f"rank {self.rank} failed: {exc}")
+        self.mpi_comm.channel.send(f"rank {self.rank} failed: {self._failure}")
 
     def _close(self, graceful: bool) -> None:
+        self._closed = True
         if graceful:
             self.mpi_comm.finish()  # nobody waits on us: no abort notices
         self.comm.close()
-        with self._lock:
-            if self._failure is None:
-                self._failure = CollectiveError("hvd_spark.collectives was shut down")
-            leftovers = list(self._pending.values())
-            self._pending.clear()
-            self._queue.clear()
-        for entry in leftovers:
-            self._complete(entry, error=self._error_for(entry.request.name))
+        self._fail_pending()

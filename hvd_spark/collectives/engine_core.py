@@ -1,0 +1,311 @@
+"""What every collectives engine shares: the caller-side bookkeeping, running agreed
+responses, and progress made by the thread that waits.
+
+An engine (TCP ``Engine``, ``MpiEngine``) negotiates in its own way; this base class
+holds the rest. Callers submit named entries and wait on handles. A caller that waits
+does not hand the work to the background thread and sleep: it takes the progress lock
+and runs the engine's cycle itself until its operation completes. On a small message
+that saves two thread hand-offs per call (each costs tens of microseconds in CPython:
+the woken thread must also win the GIL). The background thread keeps operations moving
+while nobody waits (asynchronous operations overlapping compute), and stands aside
+while a caller drives.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from hvd_spark.collectives import messages as m
+from hvd_spark.collectives import operations, timeline
+from hvd_spark.collectives.communicator import Communicator
+from hvd_spark.collectives.nccl import arrays
+from hvd_spark.collectives.operations import Entry, Handle
+from hvd_spark.config import EngineConfig
+from hvd_spark.errors import (
+    CollectiveArgumentError,
+    CollectiveError,
+    HorovodInternalError,
+    HvdSparkError,
+    PeerDisconnectedError,
+)
+
+# A waiting caller runs the cycle in slices this long, so another waiting thread (or
+# the background thread, for async work) gets its turn between them.
+DRIVE_SLICE_S = 0.05
+# Slack over the collective timeout before a waiter gives up on its own.
+WAIT_SLACK_S = 30.0
+
+
+def timeline_row(name: str, kind: str) -> str:
+    """A tensor's timeline row, named as Horovod's are: ``<kind>.<name>``."""
+    return name if name.startswith(kind) else f"{kind}.{name}"
+
+
+def zeros_entry(template: m.Request) -> Entry:
+    """A joined rank's stand-in for an allreduce it never submitted: zeros of that shape."""
+    return Entry(template, Handle(template.name),
+                 arrays.zeros(template.shape, template.dtype, template.device))
+
+
+def apply_eager(response: m.Response, entries: list[Entry]) -> list:
+    """Results of an allreduce rank 0 reduced during negotiation: copy its data out."""
+    data = response.data
+    results = []
+    for entry in entries:
+        flat = entry.array.reshape(-1)
+        np.copyto(flat, data.reshape(-1), casting="no")
+        entry.source = None
+        results.append(entry.finish(entry.array))
+    return results
+
+
+class EngineCore(abc.ABC):
+    """The shared half of an engine; subclasses negotiate and own the background thread.
+
+    Subclasses call ``_execute`` for each response in the agreed order and implement
+    ``_drive`` (one slice of progress from a waiting caller's thread).
+
+    Args:
+        rank, size: This rank and the world size.
+        comm: The backend that moves the bytes.
+        config: Fusion, cycle, eager and timeout settings.
+    """
+
+    def __init__(self, rank: int, size: int, comm: Communicator, config: EngineConfig) -> None:
+        self.rank, self.size = rank, size
+        self.comm = comm
+        self.config = config
+        #: Allreduces up to this many bytes travel with their negotiation messages.
+        self.eager_bytes = config.eager_bytes
+        self._lock = threading.Lock()  # guards the tables below (short holds only)
+        # Held by whichever thread runs the engine's cycle: the background thread or a
+        # waiting caller. Everything the cycle touches is used under it.
+        self._progress = threading.Lock()
+        self._drivers = 0  # callers waiting in wait() right now (under _lock)
+        self._queue: deque[Entry] = deque()
+        self._pending: dict[str, Entry] = {}
+        self._names_in_flight: set[str] = set()
+        self._failure: BaseException | None = None
+        self._stopping = False
+        self._closed = False
+        self._subcomms: dict[tuple[int, ...], Communicator] = {}
+        #: Responses executed and tensors they covered; fused allreduces make these differ.
+        self.executed_responses = 0
+        self.executed_tensors = 0
+        #: Of those responses, allreduces rank 0 reduced during negotiation.
+        self.executed_eager = 0
+
+    # ------------------------------------------------------------------ caller side
+
+    def submit(self, entry: Entry) -> Handle:
+        """Queue an operation; returns its handle at once."""
+        return self.submit_many([entry])[0]
+
+    def submit_many(self, entries: list[Entry]) -> list[Handle]:
+        """Queue operations as one batch, so the coordinator sees (and fuses) them together."""
+        names = [e.request.name for e in entries]
+        with self._lock:
+            if self._failure is not None:
+                raise self._error_for(names[0])
+            if self._stopping:
+                raise CollectiveError(
+                    f"collective {names[0]!r}: hvd_spark was shut down on this rank")
+            clash = [n for n in names if n in self._names_in_flight]
+            if clash or len(set(names)) != len(names):
+                raise CollectiveArgumentError(
+                    f"a collective named {(clash or names)[0]!r} is already in flight on rank "
+                    f"{self.rank}; names must be unique until the operation completes"
+                )
+            self._names_in_flight.update(names)
+            for entry in entries:
+                self._pending[entry.request.name] = entry
+            if self._queues_locally():
+                self._queue.extend(entries)
+        self._submitted(entries)
+        return [e.handle for e in entries]
+
+    def _queues_locally(self) -> bool:
+        """True when submissions wait in ``_queue`` for the cycle (else ``_submitted``
+        sends them on)."""
+        return True
+
+    @abc.abstractmethod
+    def _submitted(self, entries: list[Entry]) -> None:
+        """After ``entries`` were recorded: notify whoever negotiates them."""
+
+    def wait(self, handle: Handle):
+        """Wait for ``handle``, making progress on this thread; the engine's deadline applies.
+
+        Returns:
+            The operation's result (raises its error).
+        """
+        deadline = time.monotonic() + self.config.timeout + WAIT_SLACK_S
+        if not handle.done():
+            with self._lock:
+                self._drivers += 1
+            self._driver_arrived()
+            try:
+                self._drive_until(handle, deadline)
+            finally:
+                with self._lock:
+                    self._drivers -= 1
+                    idle = self._drivers == 0
+                if idle:
+                    self._driver_left()
+        return handle.wait(max(0.0, deadline - time.monotonic()))
+
+    def _drive_until(self, handle: Handle, deadline: float) -> None:
+        while not handle.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if not self._progress.acquire(timeout=min(left, DRIVE_SLICE_S)):
+                continue
+            try:
+                if handle.done():
+                    return
+                if self._closed or self._failure is not None:
+                    break  # the background thread is failing the handles: just wait
+                try:
+                    self._drive(min(left, DRIVE_SLICE_S))
+                except BaseException as exc:  # noqa: BLE001 - fails every pending handle
+                    self._fail(exc)
+                    self._failed_while_driving()
+                    break
+            finally:
+                self._progress.release()
+        handle.wait_done(max(0.0, deadline - time.monotonic()))
+
+    @abc.abstractmethod
+    def _driver_arrived(self) -> None:
+        """A caller started waiting (hook: stand the background thread aside)."""
+
+    @abc.abstractmethod
+    def _driver_left(self) -> None:
+        """The last waiting caller left (hook: let the background thread resume)."""
+
+    @abc.abstractmethod
+    def _drive(self, timeout: float) -> None:
+        """One slice of progress on the caller's thread, at most ``timeout`` s blocked
+        (called with the progress lock held)."""
+
+    @abc.abstractmethod
+    def _failed_while_driving(self) -> None:
+        """A driving caller hit an engine failure (hook: tell the background thread)."""
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the engine, if any."""
+        return self._failure
+
+    def _error_for(self, name: str) -> CollectiveError:
+        cause = self._failure
+        cls = (PeerDisconnectedError if isinstance(cause, PeerDisconnectedError)
+               else HorovodInternalError)
+        return cls(
+            f"collective {name!r} cannot run: the collectives engine on rank {self.rank} stopped "
+            f"after an earlier failure: {cause}"
+        )
+
+    # ------------------------------------------------------------------ running responses
+
+    def _timeline(self) -> timeline.Timeline | None:
+        """The timeline to record into: rank 0 writes it."""
+        return timeline.current() if self.rank == 0 else None
+
+    def _execute(self, response: m.Response) -> None:
+        """Run one agreed response on this rank and complete its entries' handles."""
+        members = response.members
+        if members is not None and self.rank not in members:
+            return  # another process set's operation
+        with self._lock:
+            entries = [self._pending.pop(n) for n in response.names if n in self._pending]
+        if response.error:
+            for entry in entries:
+                self._complete(entry, error=CollectiveArgumentError(response.error))
+            return
+        if response.kind == m.JOIN:
+            for entry in entries:
+                self._complete(entry, result=response.result)
+            return
+        if len(entries) != len(response.names):
+            if self.rank in response.joined and not entries:
+                entries = [zeros_entry(t) for t in response.templates or ()]
+            else:
+                missing = [n for n in response.names
+                           if n not in {e.request.name for e in entries}]
+                raise CollectiveError(
+                    f"rank {self.rank} was told to run {missing} it never submitted")
+        tl = self._timeline()
+        trace = None
+        if tl is not None:
+            rows = [timeline_row(n, response.kind) for n in response.names]
+            tl.negotiate_end_all(rows)
+            tl.start_all(rows, response.kind.upper())
+            tl.activity_start_all(rows, timeline.QUEUE)  # until the first phase begins
+            trace = lambda activity: tl.activity_start_all(rows, activity)  # noqa: E731
+        try:
+            if response.data is not None:
+                if trace is not None:
+                    trace(timeline.EAGER_ALLREDUCE)
+                results = apply_eager(response, entries)
+            else:
+                results = operations.execute(self._comm_for(members), response, entries, trace)
+            if tl is not None:
+                tl.end_all(rows)
+        except BaseException as exc:
+            # These entries left _pending already: complete them here with the real error,
+            # or their callers would wait for the timeout.
+            failure = exc if isinstance(exc, HvdSparkError) else CollectiveError(
+                f"collective {response.names[0]!r} failed on rank {self.rank}: {exc!r}")
+            if self._failure is not None:  # aborted: the reason beats the socket error
+                failure = self._error_for(response.names[0])
+            for entry in entries:
+                self._complete(entry, error=failure)
+            raise
+        self.executed_responses += 1
+        self.executed_tensors += len(entries)
+        self.executed_eager += response.data is not None
+        for entry, result in zip(entries, results):
+            self._complete(entry, result=result)
+
+    def _comm_for(self, members: tuple[int, ...] | None) -> Communicator:
+        """The communicator of a process set (made at its first operation, then kept)."""
+        if members is None:
+            return self.comm
+        comm = self._subcomms.get(members)
+        if comm is None:
+            comm = self._subcomms[members] = self.comm.subset(members)
+        return comm
+
+    def _complete(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._names_in_flight.discard(entry.request.name)
+        if error is not None:
+            entry.handle.set_error(error)
+        else:
+            entry.handle.set_result(result)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record the engine's failure (the first reason stays) and fail what is pending."""
+        if not isinstance(exc, HvdSparkError):
+            exc = CollectiveError(f"collectives engine on rank {self.rank} failed: {exc!r}")
+        with self._lock:
+            if self._failure is None:  # an abort's reason stays the reason
+                self._failure = exc
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = CollectiveError("hvd_spark.collectives was shut down")
+            entries = list(self._pending.values())  # queued entries are pending too
+            self._pending.clear()
+            self._queue.clear()
+        for entry in entries:
+            self._complete(entry, error=self._error_for(entry.request.name))
