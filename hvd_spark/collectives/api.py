@@ -19,6 +19,7 @@ import numpy as np
 from hvd_spark import _env
 from hvd_spark.collectives import elastic, registry, timeline
 from hvd_spark.collectives import messages as m
+from hvd_spark.collectives.buffers import aligned_empty
 from hvd_spark.collectives.engine import Engine
 from hvd_spark.collectives.heartbeat import DEFAULT_HEARTBEAT_S, Heartbeat
 from hvd_spark.collectives.operations import Entry, Handle
@@ -400,7 +401,7 @@ def _allreduce_build(array, op, prescale, postscale, inplace: bool):
             # Out of place: the backend reads the caller's input where it can and writes
             # a fresh array, instead of copying the input first (see Entry.source).
             source = np.asarray(arr, order="C")  # (ascontiguousarray would make 0-d 1-d)
-            work = np.empty_like(source)
+            work = aligned_empty(source.shape, source.dtype)  # frameworks adopt it uncopied
         check_reduction(work.dtype, reduce_op, prescale, postscale, key)
         if prescale != 1.0:
             if work is arr:

@@ -7,6 +7,7 @@ maps back to views of the caller's own arrays, which are reduced in place.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -62,6 +63,22 @@ class SegmentedBuffer:
         step = max(1, chunk_bytes // self.itemsize)
         for lo in range(start, stop, step):
             yield self.views(lo, min(stop, lo + step))
+
+
+ALIGN_BYTES = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
+
+    Frameworks may adopt such a buffer without a copy (TensorFlow checks the alignment
+    of every tensor it is given through DLPack).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN_BYTES, np.uint8)
+    start = (-raw.ctypes.data) % ALIGN_BYTES
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def even_counts(total: int, parts: int) -> list[int]:

@@ -9,7 +9,7 @@ that set's members, and ranks that called ``join()`` stand in with zeros.
 from __future__ import annotations
 
 import collections
-import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -36,6 +36,27 @@ def _error(first: Request, name: str, message: str) -> Response:
     return Response(first.kind, (name,), error=message, members=first.members)
 
 
+# Kinds whose requests are identical on every rank when all is well.
+_SAME_EVERYWHERE = (m.ALLREDUCE, m.BROADCAST, m.BARRIER)
+
+
+@functools.lru_cache(maxsize=256)
+def _request_problem(kind: str, dtype: str, op: int, prescale: float, postscale: float,
+                     root: int, size: int) -> str | None:
+    """Whether a request all ranks agree on is still invalid (None: fine); cached, since
+    a training loop asks the same few questions every step."""
+    try:
+        if kind != m.BARRIER:
+            check_dtype(np.dtype(dtype), "")
+        if kind == m.ALLREDUCE:
+            check_reduction(np.dtype(dtype), ReduceOp(op), prescale, postscale, "")
+    except CollectiveError as exc:
+        return str(exc)
+    if kind == m.BROADCAST and not 0 <= root < size:
+        return "root out of range"
+    return None
+
+
 def validate(name: str, requests: dict[int, Request], size: int) -> Response:
     """Check that the ranks' requests for ``name`` agree; return what to execute.
 
@@ -46,6 +67,13 @@ def validate(name: str, requests: dict[int, Request], size: int) -> Response:
         size: Number of ranks in the operation's process set.
     """
     first = requests[min(requests)]
+    if (first.kind in _SAME_EVERYWHERE and first.error is None
+            and all(q == first for q in requests.values())):
+        # The usual case: every rank asked for the same; only the request itself can be bad.
+        problem = _request_problem(first.kind, first.dtype, first.op, first.prescale,
+                                   first.postscale, first.root, size)
+        if problem is None:
+            return Response(first.kind, (name,), members=first.members)
     failed = {r: q.error for r, q in requests.items() if q.error}
     if failed:
         reasons = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
@@ -250,7 +278,8 @@ class Coordinator:
                     and not response.joined):
                 data = eager_result(entry)
                 if data is not None:
-                    response = dataclasses.replace(response, data=data)
+                    response = Response(m.ALLREDUCE, response.names, members=response.members,
+                                        data=data)
         self._ready[name] = response
 
     def has_ready(self) -> bool:

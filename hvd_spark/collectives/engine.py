@@ -76,7 +76,6 @@ class Engine(EngineCore):
         self._told_others = False
         self._watching = False  # the background thread selects on the control sockets
         self._parked = False  # the background thread stands aside for driving callers
-        self._driver_came = threading.Event()
         self._driver_left_at = 0.0
         self._thread = threading.Thread(target=self._run, name="hvd-engine", daemon=True)
         self._thread.start()
@@ -110,7 +109,6 @@ class Engine(EngineCore):
             raise self._error_for(entries[0].request.name) from exc
 
     def _driver_arrived(self) -> None:
-        self._driver_came.set()
         if self._watching:
             self._wake()  # it must leave the control sockets to this caller
 
@@ -194,7 +192,6 @@ class Engine(EngineCore):
 
     def _watch(self, timeout: float) -> None:
         """Wait for messages or submissions, unless a caller is about to drive."""
-        self._driver_came.clear()
         self._watching = True
         try:
             if self._drivers:
@@ -202,7 +199,7 @@ class Engine(EngineCore):
             readable, _, _ = select.select([self._wake_r, *self._control.values()], [], [],
                                            timeout)
             if readable == [self._wake_r] and self._queue and not self._drivers:
-                self._driver_came.wait(_GRACE_S)
+                time.sleep(_GRACE_S)  # then park if the submitter came to drive
         finally:
             self._watching = False
 
@@ -230,7 +227,7 @@ class Engine(EngineCore):
         """Wait up to ``max_wait`` s for messages, then handle all that arrived."""
         timeout = 0.0 if self._queue else min(max_wait, self._next_timeout())
         readable, _, _ = select.select([self._wake_r, *self._control.values()], [], [], timeout)
-        new = self._drain_local()
+        new = self._drain_local(self._wake_r in readable)
         tl = timeline.current() if self._coordinator is not None else None
         if tl is not None:
             tl.mark_cycle()
@@ -254,8 +251,11 @@ class Engine(EngineCore):
         except (BlockingIOError, InterruptedError):
             pass
 
-    def _drain_local(self) -> list[Entry]:
-        self._drain_wake()
+    def _drain_local(self, woken: bool) -> list[Entry]:
+        if woken:
+            self._drain_wake()
+        if not self._queue:
+            return []
         with self._lock:
             new = list(self._queue)
             self._queue.clear()

@@ -58,6 +58,8 @@ def apply_eager(response: m.Response, entries: list[Entry]) -> list:
     results = []
     for entry in entries:
         flat = entry.array.reshape(-1)
+        if not isinstance(data, np.ndarray):
+            data = np.frombuffer(data, flat.dtype)
         np.copyto(flat, data.reshape(-1), casting="no")
         entry.source = None
         results.append(entry.finish(entry.array))

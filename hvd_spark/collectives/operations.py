@@ -28,35 +28,54 @@ _PACK_BELOW_BYTES = 64 * 1024
 
 
 class Handle:
-    """The pending result of an asynchronous collective."""
+    """The pending result of an asynchronous collective.
+
+    Completion is a plain lock released once (not a ``threading.Event``, whose
+    condition variable costs several microseconds per set on every operation).
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._event = threading.Event()
+        self._pending = threading.Lock()
+        self._pending.acquire()
+        self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         """True once the operation finished (successfully or not)."""
-        return self._event.is_set()
+        return self._done
+
+    def _finish(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._pending.release()
+        except RuntimeError:
+            pass  # completed twice at once (a failure racing a result): the first won
 
     def set_result(self, result: Any) -> None:
         """Complete with a result (engine side)."""
         self._result = result
-        self._event.set()
+        self._finish()
 
     def set_error(self, error: BaseException) -> None:
         """Complete with an error (engine side)."""
         self._error = error
-        self._event.set()
+        self._finish()
 
     def wait_done(self, timeout: float) -> bool:
         """Block until done, at most ``timeout`` s; True when done (never raises)."""
-        return self._event.wait(timeout)
+        if self._done:
+            return True
+        if self._pending.acquire(timeout=max(0.0, timeout)):
+            self._pending.release()  # let every other waiter through too
+        return self._done
 
     def wait(self, timeout: float) -> Any:
         """Block until done, at most ``timeout`` s; return the result or raise its error."""
-        if not self._event.wait(timeout):
+        if not self.wait_done(timeout):
             raise CollectiveTimeoutError(
                 f"collective {self.name!r} did not complete within {timeout} s; some rank may "
                 "not have called it (check names and call order), or raise HVD_SPARK_TIMEOUT"

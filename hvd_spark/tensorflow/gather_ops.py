@@ -61,7 +61,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
     if not xs:
         return []
     xs = [tf.reshape(x, [1]) if x.shape.rank == 0 else x for x in xs]
-    if not all(x.dtype.is_floating for x in xs):
+    if not (kernel.needs_gradient() and all(x.dtype.is_floating for x in xs)):
         return _raw_grouped_allgather(xs, name, process_set)
 
     @tf.custom_gradient
@@ -125,7 +125,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     del ignore_name_scope
     kernel.check_process_set(process_set, "broadcast")
     x = tf.convert_to_tensor(tensor)
-    if not x.dtype.is_floating:
+    if not (kernel.needs_gradient() and x.dtype.is_floating):
         return _raw_broadcast([x], root_rank, name, process_set)[0]
 
     @tf.custom_gradient
@@ -204,7 +204,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
             _check_splits(x, s, process_set)
         except tf.errors.InvalidArgumentError as exc:
             raise kernel.fail_locally("alltoall", [name], process_set, exc) from None
-    if not x.dtype.is_floating:
+    if not (kernel.needs_gradient() and x.dtype.is_floating):
         out, recv = _raw_alltoall(x, s, name, process_set)
     else:
         @tf.custom_gradient

@@ -48,15 +48,17 @@ def _raw_grouped_allreduce(tensors: list[tf.Tensor], op: ReduceOp, prescale: flo
                                    process_set=process_set)
 
     outs = kernel.run(fn, tensors, [t.dtype for t in tensors])
-    for o, t in zip(outs, tensors):
-        o.set_shape(t.shape)
+    if not tf.executing_eagerly():  # eager results have their shapes already
+        for o, t in zip(outs, tensors):
+            o.set_shape(t.shape)
     return outs
 
 
 def _dense_group(tensors: list[tf.Tensor], op: ReduceOp, prescale: float, postscale: float,
                  name: str | None, process_set: ProcessSet) -> list[tf.Tensor]:
     """Reduce dense tensors in one fused operation; differentiable for Sum/Average/Adasum."""
-    if not (op in _DIFFERENTIABLE and all(t.dtype.is_floating for t in tensors)):
+    if not (op in _DIFFERENTIABLE and kernel.needs_gradient()
+            and all(t.dtype.is_floating for t in tensors)):
         return _raw_grouped_allreduce(tensors, op, prescale, postscale, name, process_set)
 
     @tf.custom_gradient
