@@ -1,6 +1,7 @@
 """Small-message allreduce latency: the MPI backend vs the TCP/shared-memory backend.
 
-``python -m hvd_spark.bench latency [-np 2] [--sizes 1K,4K,64K] [--rounds 3]`` alternates,
+``python -m hvd_spark.bench latency [-np 2] [--sizes 1K,4K,64K] [--rounds 3]
+[--frameworks torch,tf,tf_function]`` alternates,
 round by round, a job under ``hvdrun`` (TCP backend, shared memory between local ranks)
 and one under ``hvdrun --mpi``; inside the MPI job, raw ``MPI_Allreduce`` (mpi4py) is
 timed in the same processes, alternating with ours, as the floor. Each figure is the
@@ -22,6 +23,8 @@ import numpy as np
 from hvd_spark.bench.allreduce import parse_size
 
 _MARK = "LATENCY_JSON "
+# Bindings timed besides numpy: torch, TensorFlow eager, TensorFlow inside tf.function.
+_FRAMEWORKS = ("torch", "tf", "tf_function")
 
 
 def _mean_time(fn, iters: int) -> float:
@@ -31,7 +34,27 @@ def _mean_time(fn, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def worker(sizes: list[int], iters: int) -> None:
+def _framework_call(framework: str, count: int):
+    """A synchronous 1-tensor Sum allreduce through ``framework``'s binding."""
+    if framework == "torch":
+        import torch
+
+        import hvd_spark.torch as th
+
+        t = torch.ones(count)
+        return lambda: th.allreduce_(t, op=th.Sum)
+    import tensorflow as tf
+
+    import hvd_spark.tensorflow as tfh
+
+    t = tf.ones([count])
+    if framework == "tf":
+        return lambda: tfh.allreduce(t, op=tfh.Sum)
+    graph = tf.function(lambda v: tfh.allreduce(v, op=tfh.Sum))
+    return lambda: graph(t)
+
+
+def worker(sizes: list[int], iters: int, frameworks: list[str]) -> None:
     """Run inside each rank: time hvd_spark's allreduce (and raw MPI's, under MPI)."""
     import hvd_spark.collectives as hvd
     from hvd_spark.collectives import ops
@@ -47,6 +70,7 @@ def worker(sizes: list[int], iters: int) -> None:
     for nbytes in sizes:
         x = np.ones(max(1, nbytes // 4), np.float32)
         ours = lambda x=x: hvd.allreduce_(x, op=ops.Sum)  # noqa: E731
+        bindings = {f: _framework_call(f, x.size) for f in frameworks}
         floor = (lambda x=x: raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM)) if raw else None  # noqa: E731
         ours_t, floor_t = [], []
         for _ in range(3):  # alternate, so a noisy moment hits both alike
@@ -58,8 +82,14 @@ def worker(sizes: list[int], iters: int) -> None:
                 hvd.barrier()
                 seconds = _mean_time(fn, iters)
                 out.append(float(hvd.allreduce(np.array([seconds]), op=ops.Max)[0]))
-        rows.append({"bytes": nbytes, "ours": min(ours_t),
-                     "raw_mpi": min(floor_t) if floor_t else None})
+        row = {"bytes": nbytes, "ours": min(ours_t), "raw_mpi": min(floor_t) if floor_t else None}
+        for framework, fn in bindings.items():
+            for _ in range(20):
+                fn()
+            hvd.barrier()
+            seconds = _mean_time(fn, max(50, iters // 2))
+            row[framework] = float(hvd.allreduce(np.array([seconds]), op=ops.Max)[0])
+        rows.append(row)
     if hvd.rank() == 0:
         print(_MARK + json.dumps({"backend": backend, "rows": rows}), flush=True)
     hvd.shutdown()
@@ -83,12 +113,15 @@ def format_table(num_proc: int, runs: dict[str, list[dict]]) -> str:
         values = [r["rows"][i][key] for r in runs[backend] if r["rows"][i][key] is not None]
         return statistics.median(values) * 1e6 if values else float("nan")
 
+    frameworks = [k for k in runs["tcp"][0]["rows"][0] if k in _FRAMEWORKS]
     lines = [f"allreduce latency, {num_proc} ranks, float32 Sum, us per call (median of "
-             f"{len(runs['tcp'])} rounds)",
-             f"{'size':>8} {'tcp+shm':>9} {'mpi':>9} {'raw MPI':>9} {'mpi/tcp':>8}"]
+             f"{len(runs['tcp'])} rounds; frameworks on tcp+shm)",
+             f"{'size':>8} {'tcp+shm':>9} {'mpi':>9} {'raw MPI':>9} {'mpi/tcp':>8}"
+             + "".join(f" {f:>8}" for f in frameworks)]
     for i, row in enumerate(runs["tcp"][0]["rows"]):
         tcp, mpi, raw = med("tcp", i, "ours"), med("mpi", i, "ours"), med("mpi", i, "raw_mpi")
-        lines.append(f"{row['bytes']:>8} {tcp:9.1f} {mpi:9.1f} {raw:9.1f} {mpi / tcp:8.2f}")
+        lines.append(f"{row['bytes']:>8} {tcp:9.1f} {mpi:9.1f} {raw:9.1f} {mpi / tcp:8.2f}"
+                     + "".join(f" {med('tcp', i, f):8.1f}" for f in frameworks))
     return "\n".join(lines)
 
 
@@ -99,17 +132,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sizes", default="1K,4K,64K", help="message sizes (default 1K,4K,64K)")
     p.add_argument("--iters", type=int, default=500, help="calls timed per sample")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of both jobs")
+    p.add_argument("--frameworks", default="",
+                   help=f"also time these bindings on tcp+shm: {','.join(_FRAMEWORKS)}")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--backend-worker", default="tcp", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    unknown = sorted(set(frameworks) - set(_FRAMEWORKS))
+    if unknown:
+        p.error(f"--frameworks: unknown {unknown}; choose from {','.join(_FRAMEWORKS)}")
     if args.worker:
-        worker(sizes, args.iters)
+        worker(sizes, args.iters, frameworks if args.backend_worker == "tcp" else [])
         return 0
-    worker_argv = ["--sizes", args.sizes, "--iters", str(args.iters)]
+    worker_argv = ["--sizes", args.sizes, "--iters", str(args.iters),
+                   "--frameworks", ",".join(frameworks)]
     runs: dict[str, list[dict]] = {"tcp": [], "mpi": []}
     for _ in range(args.rounds):
         runs["tcp"].append(_job(False, args.np, worker_argv))
-        runs["mpi"].append(_job(True, args.np, worker_argv))
+        runs["mpi"].append(_job(True, args.np, [*worker_argv, "--backend-worker", "mpi"]))
     print(format_table(args.np, runs))
     return 0
 

@@ -21,7 +21,7 @@ from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import EngineCore, timeline_row
 from hvd_spark.collectives.mpi.communicator import MpiCommunicator
-from hvd_spark.collectives.mpi.negotiation import Negotiation
+from hvd_spark.collectives.mpi.negotiation import SLOT_BYTES, Negotiation
 from hvd_spark.collectives.operations import Entry
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError
@@ -34,6 +34,8 @@ BYE_WAIT_S = 10.0
 _MIN_TICK_S = 0.5e-3
 # After a cycle that ran something, how long to poll for the next submission.
 _LINGER_S = 200e-6
+# Largest eager allreduce under MPI: it and its request fit one negotiation slot.
+_EAGER_CAP = SLOT_BYTES - 1024
 # While callers drive, and this long after the last left, the background thread runs no
 # rounds of its own (a training loop's next synchronous call comes soon).
 _PARK_S = 2e-3
@@ -54,6 +56,9 @@ class MpiEngine(EngineCore):
     def __init__(self, comm: MpiCommunicator, negotiation: Negotiation,
                  config: EngineConfig, routed: Communicator | None = None) -> None:
         super().__init__(comm.rank, comm.size, routed or comm, config)
+        # Only what fits a negotiation slot with its request rides along: a longer
+        # message takes a second gather, and MPI's own allreduce is cheaper than that.
+        self.eager_bytes = min(config.eager_bytes, _EAGER_CAP)
         self.mpi_comm = comm
         self._negotiation = negotiation
         self._coordinator = Coordinator(self.size, config.fusion_threshold) if self.rank == 0 \
