@@ -2,7 +2,9 @@
 
 Eagerly, the collective runs at once on numpy views of the tensors.
 
-Inside a graph (a ``tf.function`` or a TF1-style ``tf.compat.v1.Session``), each
+Inside a ``tf.function``, each collective is a ``numpy_function`` node: TensorFlow 2 chains
+a function's stateful ops in program order, so they run one at a time, in the same order on
+every rank. Inside a TF1-style graph (``tf.compat.v1.Session``), each
 collective is one graph node whose kernel blocks until every rank has submitted the
 same name. TensorFlow runs ready nodes on a small inter-op thread pool (one thread per
 core), and a v1 graph gives independent nodes no order: with plain ``numpy_function``
@@ -138,7 +140,10 @@ def run(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
     def body(*ts: tf.Tensor):
         return tuple(tf.numpy_function(kernel, list(ts), touts, stateful=True))
 
-    if _MapDataset is None:
+    if _MapDataset is None or tf.inside_function():
+        # A tf.function orders stateful ops in program order (automatic control
+        # dependencies), so its collectives run one after another, the same on every rank:
+        # a plain numpy_function cannot deadlock there and costs a fraction of a dataset.
         return list(tf.numpy_function(kernel, inputs, touts, stateful=True))
     source = tf.data.Dataset.from_tensors(tuple(inputs))
     dataset = _MapDataset(source, body, use_inter_op_parallelism=False)
