@@ -130,26 +130,35 @@ def validate(name: str, requests: dict[int, Request], size: int) -> Response:
     return Response(kind, (name,), members=first.members)
 
 
-def eager_result(requests: dict[int, Request]) -> np.ndarray | None:
-    """Reduce an allreduce whose every request carries its tensor (``Request.payload``).
+def eager_result(group: list[dict[int, Request]]) -> np.ndarray | None:
+    """Reduce a (fused) allreduce whose every request carries its tensor (``Request.payload``).
 
-    The payloads are combined in rank order, so every member receives the same bits.
+    Args:
+        group: Per tensor of the fused operation, in order: every member's request.
 
     Returns:
-        The flat result, or None when some rank sent no payload (or not a usable one):
-        the ranks then run the allreduce on the backend as usual.
+        The tensors' results, flat and one after another (every member receives the
+        same bits: rank 0 combines the ranks in rank order), or None when some request
+        has no usable payload: the ranks then run the allreduce on the backend.
     """
-    ranks = sorted(requests)
-    first = requests[ranks[0]]
+    first = next(iter(group[0].values()))
     op = ReduceOp(first.op)
-    dtype, count = np.dtype(first.dtype), math.prod(first.shape)
-    payloads = [requests[r].payload for r in ranks]
-    if op == ReduceOp.Adasum or any(
-            p is None or p.dtype != dtype or p.size != count for p in payloads):
+    dtype = np.dtype(first.dtype)
+    if op == ReduceOp.Adasum:
         return None
-    out = np.array(payloads[0], copy=True).reshape(-1)
-    for payload in payloads[1:]:
-        reduce_into(out, payload.reshape(-1), op)
+    ranks = sorted(group[0])
+    per_rank: list[list[np.ndarray]] = [[] for _ in ranks]
+    for requests in group:
+        count = math.prod(next(iter(requests.values())).shape)
+        for i, r in enumerate(ranks):
+            payload = requests[r].payload
+            if payload is None or payload.dtype != dtype or payload.size != count:
+                return None
+            per_rank[i].append(payload.reshape(-1))
+    rows = [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in per_rank]
+    out = np.array(rows[0], copy=True)
+    for row in rows[1:]:
+        reduce_into(out, row, op)
     if op == ReduceOp.Average:
         finish_average(out, len(ranks))
     scale_in_place(out, first.postscale)
@@ -183,11 +192,16 @@ class Coordinator:
     Args:
         size: Number of ranks.
         fusion_threshold: Most bytes one fused allreduce may cover.
+        eager_bytes: A fused allreduce of at most this many bytes whose tensors came with
+            their requests is reduced here, and its result sent with the response.
     """
 
-    def __init__(self, size: int, fusion_threshold: int) -> None:
+    def __init__(self, size: int, fusion_threshold: int, eager_bytes: int = 0) -> None:
         self.size = size
         self.fusion_threshold = fusion_threshold
+        self.eager_bytes = eager_bytes
+        # Allreduces whose requests all carry payloads: name -> every rank's request.
+        self._eager_inputs: dict[str, dict[int, Request]] = {}
         self._table: dict[str, dict[int, Request]] = {}
         self._first_seen: dict[str, float] = {}
         self._ready: collections.OrderedDict[str, Response] = collections.OrderedDict()
@@ -275,11 +289,9 @@ class Coordinator:
         if entry:
             self._requests[name] = entry[min(entry)]
             if (response.kind == m.ALLREDUCE and response.error is None
-                    and not response.joined):
-                data = eager_result(entry)
-                if data is not None:
-                    response = Response(m.ALLREDUCE, response.names, members=response.members,
-                                        data=data)
+                    and not response.joined
+                    and all(q.payload is not None for q in entry.values())):
+                self._eager_inputs[name] = entry
         self._ready[name] = response
 
     def has_ready(self) -> bool:
@@ -295,29 +307,42 @@ class Coordinator:
         return any(n != m.JOIN_NAME for n in self._table)
 
     def take_responses(self) -> list[Response]:
-        """Return the ready responses, allreduces fused by dtype/op/scale up to the threshold."""
+        """Return the ready responses, allreduces fused by dtype/op/scale up to the threshold.
+
+        A fused allreduce small enough (``eager_bytes``) whose tensors all came with
+        their requests is reduced here: its response carries the result.
+        """
         out: list[Response] = []
-        open_groups: dict[tuple, tuple[int, int]] = {}  # key -> (index in out, bytes so far)
+        sizes: list[int] = []  # bytes of each fused allreduce in out (0 for the rest)
+        open_groups: dict[tuple, int] = {}  # key -> index in out
         for name, response in self._ready.items():
             request = self._requests.pop(name, None)
             if (response.kind != m.ALLREDUCE or response.error or request is None
-                    or response.joined or request.op == ReduceOp.Adasum
-                    or response.data is not None):  # reduced already: nothing to fuse
+                    or response.joined or request.op == ReduceOp.Adasum):
                 out.append(response)
+                sizes.append(0)
                 continue
             key = (request.dtype, request.device, request.op, request.prescale, request.postscale,
                    request.members)
             nbytes = request.nbytes
-            slot = open_groups.get(key)
-            if slot is not None and slot[1] + nbytes <= self.fusion_threshold:
-                index, total = slot
+            index = open_groups.get(key)
+            if index is not None and sizes[index] + nbytes <= self.fusion_threshold:
                 out[index] = Response(m.ALLREDUCE, out[index].names + (name,),
                                       members=request.members)
-                open_groups[key] = (index, total + nbytes)
+                sizes[index] += nbytes
             else:
-                open_groups[key] = (len(out), nbytes)
+                open_groups[key] = len(out)
                 out.append(response)
+                sizes.append(nbytes)
         self._ready.clear()
+        eager, self._eager_inputs = self._eager_inputs, {}
+        for i, (response, nbytes) in enumerate(zip(out, sizes)):
+            if (response.kind == m.ALLREDUCE and nbytes <= self.eager_bytes and not response.error
+                    and all(n in eager for n in response.names)):
+                data = eager_result([eager[n] for n in response.names])
+                if data is not None:
+                    out[i] = Response(m.ALLREDUCE, response.names, members=response.members,
+                                      data=data)
         return out
 
     def stalled(self, now: float, older_than: float) -> list[tuple[str, list[int]]]:

@@ -67,7 +67,8 @@ class Engine(EngineCore):
         super().__init__(rank, size, comm, config)
         self._control = dict(control)
         self._sock_rank = {s.fileno(): r for r, s in self._control.items()}
-        self._coordinator = Coordinator(size, config.fusion_threshold) if rank == 0 else None
+        self._coordinator = (Coordinator(size, config.fusion_threshold, self.eager_bytes)
+                             if rank == 0 else None)
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)

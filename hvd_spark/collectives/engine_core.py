@@ -53,14 +53,20 @@ def zeros_entry(template: m.Request) -> Entry:
 
 
 def apply_eager(response: m.Response, entries: list[Entry]) -> list:
-    """Results of an allreduce rank 0 reduced during negotiation: copy its data out."""
+    """Results of an allreduce rank 0 reduced during negotiation: copy each entry's part
+    of the response's data (the entries' results one after another) out."""
     data = response.data
-    results = []
+    if not isinstance(data, np.ndarray):
+        data = np.frombuffer(data, entries[0].array.dtype)
+    data = data.reshape(-1)
+    if data.size != sum(e.array.size for e in entries):
+        raise CollectiveError(f"the result of {list(response.names)} from rank 0 has "
+                              f"{data.size} elements, not what the tensors hold")
+    results, offset = [], 0
     for entry in entries:
         flat = entry.array.reshape(-1)
-        if not isinstance(data, np.ndarray):
-            data = np.frombuffer(data, flat.dtype)
-        np.copyto(flat, data.reshape(-1), casting="no")
+        np.copyto(flat, data[offset : offset + flat.size], casting="no")
+        offset += flat.size
         entry.source = None
         results.append(entry.finish(entry.array))
     return results

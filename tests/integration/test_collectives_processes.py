@@ -48,8 +48,9 @@ def test_eager_small_allreduces_match_numpy_and_agree_bitwise(num_proc):
         assert out["at_limit_eager"] and out["at_ok"] and out["above_ok"]
         assert out["threads"] == {t: [float(n * t + sum(range(n)))] * 20 for t in range(4)}
         assert out["unwaited_done"] and out["unwaited"] == [float(s)] * 2
-        # Everything small above went eager: 5 ops + 7 + 6 orders + 3 + 1 + 80 + 1.
-        assert out["eager_count"] >= 100
+        # Everything small above went eager (tensors submitted together fuse into one
+        # eager response): 5 ops + 8 + at least 1 for the orders + 3 + 1 + at least 4.
+        assert out["eager_count"] >= 22
 
 
 @pytest.mark.parametrize("num_proc,env", [

@@ -105,3 +105,55 @@ def test_bool_average_rejected():
     c.add(0, _req("b", dtype="bool", op=int(ReduceOp.Average)), 0)
     (resp,) = c.take_responses()
     assert "bool" in resp.error
+
+
+def _eager_req(name, values, **kw):
+    import numpy as np
+
+    arr = np.asarray(values, np.float32)
+    return m.Request(name, m.ALLREDUCE, "float32", arr.shape, payload=arr, **kw)
+
+
+def test_small_tensors_with_payloads_fuse_into_one_reduced_response():
+    import numpy as np
+
+    c = Coordinator(2, 1 << 20, eager_bytes=64)
+    for rank in (1, 0):  # arrival order does not change the result's rank order
+        c.add(rank, _eager_req("a", [1.0 + rank, 2.0], op=int(ReduceOp.Sum)), 0.0)
+        c.add(rank, _eager_req("b", [10.0 * (rank + 1)], op=int(ReduceOp.Sum)), 0.0)
+    (resp,) = c.take_responses()
+    assert resp.names == ("a", "b") and resp.error is None
+    np.testing.assert_array_equal(resp.data, [3.0, 4.0, 30.0])
+
+
+def test_average_and_postscale_apply_to_the_eager_result():
+    import numpy as np
+
+    c = Coordinator(2, 1 << 20, eager_bytes=64)
+    for rank in (0, 1):
+        c.add(rank, _eager_req("a", [2.0 * (rank + 1)], op=int(ReduceOp.Average),
+                               postscale=10.0), 0.0)
+    (resp,) = c.take_responses()
+    np.testing.assert_array_equal(resp.data, [30.0])
+
+
+def test_no_eager_result_above_the_limit_without_payloads_or_with_adasum():
+    c = Coordinator(2, 1 << 20, eager_bytes=8)
+    for rank in (0, 1):  # 12 bytes > 8
+        c.add(rank, _eager_req("big", [1.0, 2.0, 3.0], op=int(ReduceOp.Sum)), 0.0)
+    assert c.take_responses()[0].data is None
+    c = Coordinator(2, 1 << 20, eager_bytes=64)
+    c.add(0, _eager_req("mixed", [1.0], op=int(ReduceOp.Sum)), 0.0)
+    c.add(1, _req("mixed", shape=(1,), op=int(ReduceOp.Sum)), 0.0)  # no payload
+    (resp,) = c.take_responses()
+    assert resp.error is None and resp.data is None
+    c.add(0, _eager_req("ada", [1.0], op=int(ReduceOp.Adasum)), 0.0)
+    c.add(1, _eager_req("ada", [1.0], op=int(ReduceOp.Adasum)), 0.0)
+    assert c.take_responses()[0].data is None
+
+
+def test_eager_off_by_default():
+    c = Coordinator(2, 1 << 20)
+    for rank in (0, 1):
+        c.add(rank, _eager_req("a", [1.0], op=int(ReduceOp.Sum)), 0.0)
+    assert c.take_responses()[0].data is None

@@ -61,8 +61,8 @@ class MpiEngine(EngineCore):
         self.eager_bytes = min(config.eager_bytes, _EAGER_CAP)
         self.mpi_comm = comm
         self._negotiation = negotiation
-        self._coordinator = Coordinator(self.size, config.fusion_threshold) if self.rank == 0 \
-            else None
+        self._coordinator = (Coordinator(self.size, config.fusion_threshold, self.eager_bytes)
+                             if self.rank == 0 else None)
         self._tick = max(config.cycle_time_ms / 1000.0, _MIN_TICK_S)
         self._wakeup = threading.Event()
         self._bye_since: dict[int, float] = {}  # rank 0: who said goodbye, when
