@@ -59,7 +59,9 @@ def to_tensor(array: np.ndarray, dtype: tf.DType) -> tf.Tensor:
     """
     array = np.asarray(array)
     if array.dtype.kind in "fiu" and array.dtype == dtype.as_numpy_dtype:
-        if not (array.flags.c_contiguous and array.ctypes.data % ALIGN_BYTES == 0):
+        # Read-only arrays (views of input tensors) cannot be exported: copy those too.
+        if not (array.flags.c_contiguous and array.flags.writeable
+                and array.ctypes.data % ALIGN_BYTES == 0):
             aligned = aligned_empty(array.shape, array.dtype)
             np.copyto(aligned, array)
             array = aligned

@@ -42,6 +42,13 @@ def test_every_dtype_round_trips(dtype, tf_dtype):
     np.testing.assert_array_equal(t.numpy().astype(np.float64), arr.astype(np.float64))
 
 
+def test_read_only_results_are_copied():
+    # A view of an input tensor is read-only, and DLPack cannot export it.
+    view = np.asarray(tf.range(8, dtype=tf.float32))
+    assert not view.flags.writeable
+    np.testing.assert_array_equal(kernel.to_tensor(view, tf.float32).numpy(), np.arange(8))
+
+
 def test_zero_d_and_empty_results():
     assert kernel.to_tensor(np.float32(2.5) * np.ones((), np.float32), tf.float32).shape == ()
     assert kernel.to_tensor(np.zeros((0, 4), np.float32), tf.float32).shape == (0, 4)
