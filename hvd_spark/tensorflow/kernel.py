@@ -58,7 +58,7 @@ def to_tensor(array: np.ndarray, dtype: tf.DType) -> tf.Tensor:
     DLPack does not carry (bool, bfloat16) are converted as usual.
     """
     array = np.asarray(array)
-    if array.dtype.kind in "fiu" and array.dtype == dtype.as_numpy_dtype:
+    if array.size and array.dtype.kind in "fiu" and array.dtype == dtype.as_numpy_dtype:
         # Read-only arrays (views of input tensors) cannot be exported: copy those too.
         if not (array.flags.c_contiguous and array.flags.writeable
                 and array.ctypes.data % ALIGN_BYTES == 0):
