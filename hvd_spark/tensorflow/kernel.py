@@ -113,6 +113,7 @@ def as_tf_error(exc: CollectiveArgumentError) -> Exception:
     return _tf_error_class(type(exc))(str(exc))
 
 
+@tf.autograph.experimental.do_not_convert  # plain Python; the kernel runs as written
 def run(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[Any],
         touts: Sequence[tf.DType]) -> list[tf.Tensor]:
     """Run the numpy collective ``fn`` on ``inputs``: now if eager, as a graph node otherwise.
