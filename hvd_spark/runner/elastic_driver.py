@@ -128,11 +128,8 @@ class ElasticDriver:
         self.finished = False
         self._labels: dict[str, str] = {}
         self._started = time.monotonic()
-        # Filled by the monitor's thread, emptied by it right after, in _on_checked.
-        self._silent: list[tuple[str, float]] = []
         # Its thread also drives the deadlines (start and elastic timeouts) between joins.
-        self._heartbeats = HeartbeatMonitor(settings.heartbeat_s, self._on_silent,
-                                            self._on_checked)
+        self._heartbeats = HeartbeatMonitor(settings.heartbeat_s, on_checked=self._on_checked)
 
     # ------------------------------------------------------------------ handlers
 
@@ -366,14 +363,8 @@ class ElasticDriver:
         self._on_event(line)
         self._cond.notify_all()
 
-    def _on_silent(self, worker: str, seconds: float) -> None:
-        # Only collected: _on_checked, next in the same thread, loses them all at once
-        # before the next generation may form.
-        self._silent.append((worker, seconds))
-
-    def _on_checked(self) -> None:
-        """After each heartbeat check: lose the silent workers, then try to form."""
-        silent, self._silent = self._silent, []
+    def _on_checked(self, silent: list[tuple[str, float]]) -> None:
+        """After each heartbeat check: lose the silent workers together, then try to form."""
         events: list[tuple[str, str]] = []
         with self._cond:
             for worker, seconds in silent:

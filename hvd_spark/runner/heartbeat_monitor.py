@@ -28,15 +28,17 @@ class HeartbeatMonitor:
         limit: Seconds of silence after which a worker counts as lost (<= 0: never).
         on_silent: Called once per silent worker with ``(worker, seconds silent)``; the
             worker is no longer watched until its next beat.
-        on_checked: Called after each check, once its ``on_silent`` calls are made (the
-            elastic driver acts on the silent workers together, and on its deadlines).
+        on_checked: Called after each check with that check's silent workers (the elastic
+            driver acts on them together, and on its deadlines, every check).
     """
 
-    def __init__(self, limit: float, on_silent: Callable[[Hashable, float], None],
-                 on_checked: Callable[[], None] | None = None) -> None:
+    def __init__(self, limit: float,
+                 on_silent: Callable[[Hashable, float], None] | None = None,
+                 on_checked: Callable[[list[tuple[Hashable, float]]], None] | None = None,
+                 ) -> None:
         self.limit = limit
         self._on_silent = on_silent
-        self._on_checked = on_checked or (lambda: None)
+        self._on_checked = on_checked
         self._lock = threading.Lock()
         self._last: dict[Hashable, float] = {}
         self.abort_reason: str | None = None
@@ -73,9 +75,12 @@ class HeartbeatMonitor:
 
     def _loop(self) -> None:
         while not self._stop.wait(_CHECK_PERIOD_S):
-            for worker, seconds in self._take_silent():
-                self._on_silent(worker, seconds)
-            self._on_checked()
+            silent = self._take_silent()
+            if self._on_silent is not None:
+                for worker, seconds in silent:
+                    self._on_silent(worker, seconds)
+            if self._on_checked is not None:
+                self._on_checked(silent)
 
     def _take_silent(self) -> list[tuple[Hashable, float]]:
         """The workers silent for over ``limit`` s, sorted, no longer watched."""

@@ -34,7 +34,7 @@ def test_a_silent_rank_is_reported_once_and_beats_answer_the_abort_reason():
 def test_touch_watches_any_worker_id_and_each_check_ends_with_on_checked():
     silent: list[object] = []
     checks = threading.Event()
-    monitor = HeartbeatMonitor(0.3, lambda w, s: silent.append(w), checks.set)
+    monitor = HeartbeatMonitor(0.3, lambda w, s: silent.append(w), lambda found: checks.set())
     try:
         monitor.touch("2.0")
         assert checks.wait(2)
@@ -46,7 +46,8 @@ def test_touch_watches_any_worker_id_and_each_check_ends_with_on_checked():
 def test_a_limit_of_zero_watches_nothing_but_still_checks():
     silent: list[object] = []
     checks: list[None] = []
-    monitor = HeartbeatMonitor(0, lambda w, s: silent.append(w), lambda: checks.append(None))
+    monitor = HeartbeatMonitor(0, lambda w, s: silent.append(w),
+                               lambda found: checks.append(None))
     try:
         monitor.touch("a")
         assert _wait_for(lambda: len(checks) >= 3)
