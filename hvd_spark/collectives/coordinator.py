@@ -156,7 +156,8 @@ def eager_result(group: list[dict[int, Request]]) -> np.ndarray | None:
                 return None
             per_rank[i].append(payload.reshape(-1))
     rows = [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in per_rank]
-    out = np.array(rows[0], copy=True)
+    # The result must not be a payload itself (rank 0's is the caller's array).
+    out = np.array(rows[0], copy=True) if len(per_rank[0]) == 1 else rows[0]
     for row in rows[1:]:
         reduce_into(out, row, op)
     if op == ReduceOp.Average:

@@ -22,7 +22,7 @@ import time
 from hvd_spark.collectives import timeline
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
-from hvd_spark.collectives.engine_core import EngineCore, timeline_row
+from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
 from hvd_spark.collectives.operations import Entry
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.config import EngineConfig
@@ -37,9 +37,6 @@ log = logging.getLogger(__name__)
 _IDLE_POLL_S = 1.0
 _BYE_WAIT_S = 10.0
 _ABORT_SEND_S = 1.0
-# While callers drive, and this long after the last left, the background thread stands
-# aside; it re-checks this often (the latest an unwaited async operation starts then).
-_PARK_S = 2e-3
 # Rank 0's background thread, woken by a local submission, first gives the submitting
 # thread this long to come and wait (a synchronous call does at once): then that thread
 # runs the operation itself, instead of receiving the result across threads.
@@ -77,7 +74,6 @@ class Engine(EngineCore):
         self._told_others = False
         self._watching = False  # the background thread selects on the control sockets
         self._parked = False  # the background thread stands aside for driving callers
-        self._driver_left_at = 0.0
         self._thread = threading.Thread(target=self._run, name="hvd-engine", daemon=True)
         self._thread.start()
 
@@ -91,7 +87,7 @@ class Engine(EngineCore):
             # The response wakes the background thread, or a waiting caller reads it.
             self._send_requests(entries)
         elif not self._parked:
-            # Parked, it looks again within _PARK_S unless a caller drives first; not
+            # Parked, it looks again within PARK_S unless a caller drives first; not
             # waking it spares a synchronous call a GIL hand-off.
             self._wake()
 
@@ -112,9 +108,6 @@ class Engine(EngineCore):
     def _driver_arrived(self) -> None:
         if self._watching:
             self._wake()  # it must leave the control sockets to this caller
-
-    def _driver_left(self) -> None:
-        self._driver_left_at = time.monotonic()
 
     def _drive(self, timeout: float) -> None:
         self._cycle(timeout)
@@ -180,13 +173,11 @@ class Engine(EngineCore):
                 self._close()
 
     def _park(self) -> None:
-        """Stand aside while callers drive, and for ``_PARK_S`` after the last one left
-        (a training loop's next synchronous call comes soon); then look for work."""
+        """Stand aside while callers drive (see ``_callers_drive``); then look for work."""
         self._parked = True
         try:
-            while not self._failure and not self._stopping and (
-                    self._drivers or time.monotonic() - self._driver_left_at < _PARK_S):
-                select.select([self._wake_r], [], [], _PARK_S)
+            while not self._failure and not self._stopping and self._callers_drive():
+                select.select([self._wake_r], [], [], PARK_S)
                 self._drain_wake()
         finally:
             self._parked = False

@@ -37,6 +37,9 @@ from hvd_spark.errors import (
 # A waiting caller runs the cycle in slices this long, so another waiting thread (or
 # the background thread, for async work) gets its turn between them.
 DRIVE_SLICE_S = 0.05
+# While callers drive, and this long after the last left, the background thread stands
+# aside; it re-checks this often (the latest an unwaited async operation starts then).
+PARK_S = 2e-3
 # Slack over the collective timeout before a waiter gives up on its own.
 WAIT_SLACK_S = 30.0
 
@@ -95,6 +98,7 @@ class EngineCore(abc.ABC):
         # waiting caller. Everything the cycle touches is used under it.
         self._progress = threading.Lock()
         self._drivers = 0  # callers waiting in wait() right now (under _lock)
+        self._driver_left_at = 0.0
         self._queue: deque[Entry] = deque()
         self._pending: dict[str, Entry] = {}
         self._names_in_flight: set[str] = set()
@@ -162,9 +166,7 @@ class EngineCore(abc.ABC):
             finally:
                 with self._lock:
                     self._drivers -= 1
-                    idle = self._drivers == 0
-                if idle:
-                    self._driver_left()
+                    self._driver_left_at = time.monotonic()
         return handle.wait(max(0.0, deadline - time.monotonic()))
 
     def _drive_until(self, handle: Handle, deadline: float) -> None:
@@ -193,9 +195,11 @@ class EngineCore(abc.ABC):
     def _driver_arrived(self) -> None:
         """A caller started waiting (hook: stand the background thread aside)."""
 
-    @abc.abstractmethod
-    def _driver_left(self) -> None:
-        """The last waiting caller left (hook: let the background thread resume)."""
+    def _callers_drive(self) -> bool:
+        """Whether the background thread should stand aside: a caller drives now, or
+        one left under ``PARK_S`` ago (a training loop's next synchronous call comes soon).
+        """
+        return bool(self._drivers) or time.monotonic() - self._driver_left_at < PARK_S
 
     @abc.abstractmethod
     def _drive(self, timeout: float) -> None:

@@ -19,12 +19,12 @@ import time
 from hvd_spark.collectives import timeline
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
-from hvd_spark.collectives.engine_core import EngineCore, timeline_row
+from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
 from hvd_spark.collectives.mpi.communicator import MpiCommunicator
 from hvd_spark.collectives.mpi.negotiation import SLOT_BYTES, Negotiation
 from hvd_spark.collectives.operations import Entry
 from hvd_spark.config import EngineConfig
-from hvd_spark.errors import CollectiveError
+from hvd_spark.errors import CollectiveError, HvdSparkError
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,6 @@ _MIN_TICK_S = 0.5e-3
 _LINGER_S = 200e-6
 # Largest eager allreduce under MPI: it and its request fit one negotiation slot.
 _EAGER_CAP = SLOT_BYTES - 1024
-# While callers drive, and this long after the last left, the background thread runs no
-# rounds of its own (a training loop's next synchronous call comes soon).
-_PARK_S = 2e-3
 
 
 class MpiEngine(EngineCore):
@@ -69,7 +66,6 @@ class MpiEngine(EngineCore):
         self._first_ready: float | None = None
         self._busy_since: float | None = None  # the last cycle that ran something
         self._stopped = False  # a round agreed that every rank stops
-        self._driver_left_at = 0.0
         self.cycles = 0
         self._thread = threading.Thread(target=self._run, name="hvd-engine-mpi", daemon=True)
         self._thread.start()
@@ -83,9 +79,6 @@ class MpiEngine(EngineCore):
 
     def _driver_arrived(self) -> None:
         pass  # the background thread checks for drivers before each round
-
-    def _driver_left(self) -> None:
-        self._driver_left_at = time.monotonic()
 
     def _drive(self, timeout: float) -> None:
         del timeout  # a round waits for the slowest rank, within the engine's deadline
@@ -103,7 +96,7 @@ class MpiEngine(EngineCore):
         self._wakeup.set()
         self._thread.join(self.config.timeout + BYE_WAIT_S)
 
-    def abort(self, error) -> None:
+    def abort(self, error: HvdSparkError) -> None:
         """Fail this rank's collectives now with ``error`` (from any thread)."""
         with self._lock:
             if self._failure is None:
@@ -114,15 +107,15 @@ class MpiEngine(EngineCore):
     # ------------------------------------------------------------------ engine thread
 
     def _parked(self) -> bool:
-        return bool(self._failure is None and not self._stopping and not self._stopped and (
-            self._drivers or time.monotonic() - self._driver_left_at < _PARK_S))
+        return (self._failure is None and not self._stopping and not self._stopped
+                and self._callers_drive())
 
     def _run(self) -> None:
         graceful = False
         try:
             while not self._stopped:
                 if self._parked():
-                    self._wakeup.wait(_PARK_S)
+                    self._wakeup.wait(PARK_S)
                     self._wakeup.clear()
                     continue
                 self._await_work()
