@@ -71,8 +71,8 @@ ALIGN_BYTES = 64
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
 
-    Frameworks may adopt such a buffer without a copy (TensorFlow checks the alignment
-    of every tensor it is given through DLPack).
+    A framework binding may hand such a buffer on without a copy (some frameworks
+    require this alignment of buffers they adopt through DLPack).
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
