@@ -19,7 +19,7 @@ import numpy as np
 from hvd_spark import _env
 from hvd_spark.collectives import elastic, registry, timeline
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives.buffers import aligned_empty
+from hvd_spark.collectives.buffers import OUTPUTS
 from hvd_spark.collectives.engine import Engine
 from hvd_spark.collectives.heartbeat import DEFAULT_HEARTBEAT_S, Heartbeat
 from hvd_spark.collectives.operations import Entry, Handle
@@ -396,12 +396,15 @@ def _allreduce_build(array, op, prescale, postscale, inplace: bool):
                 raise CollectiveArgumentError(f"allreduce_ {key!r}: the array is read-only")
             work = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
         elif prescale != 1.0:
-            work = np.array(arr, order="C", copy=True)
+            work = OUTPUTS.empty(arr.shape, arr.dtype)
+            np.copyto(work, arr)
         else:
             # Out of place: the backend reads the caller's input where it can and writes
-            # a fresh array, instead of copying the input first (see Entry.source).
+            # a fresh array, instead of copying the input first (see Entry.source). Its
+            # memory comes from the output pool, so a repeated allreduce pays no page
+            # faults, and it is aligned, so frameworks adopt it uncopied.
             source = np.asarray(arr, order="C")  # (ascontiguousarray would make 0-d 1-d)
-            work = aligned_empty(source.shape, source.dtype)  # frameworks adopt it uncopied
+            work = OUTPUTS.empty(source.shape, source.dtype)
         check_reduction(work.dtype, reduce_op, prescale, postscale, key)
         if prescale != 1.0:
             if work is arr:

@@ -17,7 +17,7 @@ import numpy as np
 
 from hvd_spark.collectives import adasum, ops
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts
+from hvd_spark.collectives.buffers import OUTPUTS, SegmentedBuffer, even_counts
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.messages import Request, Response
 from hvd_spark.errors import CollectiveError, CollectiveTimeoutError
@@ -185,12 +185,19 @@ def run_allreduce(comm: Communicator, entries: list[Entry],
     return results
 
 
+def _output_like(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A fresh output of ``array``'s dtype: pooled for host arrays, and made on the
+    device for a device array (``empty_like`` dispatches to cupy)."""
+    if type(array) is np.ndarray:
+        return OUTPUTS.empty(shape, array.dtype)
+    return np.empty_like(array, shape=shape)
+
+
 def run_allgather(comm: Communicator, entry: Entry, response: Response) -> Any:
     """Concatenate every rank's tensor along dim 0 (first dims may differ)."""
     first_dims = response.first_dims or ()
     row = math.prod(entry.array.shape[1:])
-    # empty_like: a device array's output is made on its device (numpy dispatches to cupy).
-    out = np.empty_like(entry.array, shape=(sum(first_dims),) + entry.array.shape[1:])
+    out = _output_like(entry.array, (sum(first_dims),) + entry.array.shape[1:])
     counts = [d * row for d in first_dims]
     start = sum(counts[: comm.rank])
     flat = out.reshape(-1)
@@ -211,7 +218,7 @@ def run_alltoall(comm: Communicator, entry: Entry, response: Response) -> Any:
     row = math.prod(entry.array.shape[1:])
     send_counts = [s * row for s in splits[comm.rank]]
     recv_rows = [splits[src][comm.rank] for src in range(comm.size)]
-    out = np.empty_like(entry.array, shape=(sum(recv_rows),) + entry.array.shape[1:])
+    out = _output_like(entry.array, (sum(recv_rows),) + entry.array.shape[1:])
     comm.alltoall(
         entry.array.reshape(-1), send_counts, out.reshape(-1), [r * row for r in recv_rows]
     )

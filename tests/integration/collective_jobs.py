@@ -172,6 +172,32 @@ def out_of_place_mixes() -> dict:
     return {"results": results, "unchanged": unchanged, "inplace": inplace, "scalar": one}
 
 
+def pooled_outputs_across_steps() -> dict:
+    """Large outputs over several steps: some kept (a view, an allgather), some dropped so
+    the next step reuses their pages; every kept result must stay as it was computed."""
+    from hvd_spark.collectives.buffers import OUTPUTS
+
+    hvd.init()
+    r = hvd.rank()
+    kept, views, gathers, reused = [], [], [], 0
+    for step in range(6):
+        x = np.full(1 << 19, float(step + r), np.float32)  # 2 MB: pooled
+        out = hvd.allreduce(x, op=hvd.Sum, name="pooled")
+        where = out.ctypes.data
+        if step % 2 == 0:
+            kept.append(out)
+        elif step == 3:
+            views.append(out[::1000])  # only a view survives
+        gathers.append(hvd.allgather(np.full((1 << 18, 2), step + r, np.float32), name="g"))
+        del out
+        after = hvd.allreduce(x, op=hvd.Sum, name="pooled.again")
+        reused += after.ctypes.data == where
+    return {"kept": [k[[0, -1]].tolist() for k in kept], "kept_whole": kept,
+            "views": [v[[0, -1]].tolist() for v in views], "reused": reused,
+            "gathers": [(g[0, 0], g[-1, 0]) for g in gathers],
+            "idle": OUTPUTS.idle_bytes}
+
+
 def batches_that_differ_by_rank() -> dict:
     """allreduce_many_async_: ranks batch different sets of names; every name still matches."""
     hvd.init()

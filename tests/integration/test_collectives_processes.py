@@ -124,6 +124,21 @@ def test_out_of_place_allreduce_fused_with_in_place_ones(num_proc, env):
         assert float(out["scalar"]) == 2.5
 
 
+def test_pooled_outputs_are_reused_only_once_dropped():
+    """Out-of-place outputs come from the output pool: a dropped one's pages serve the
+    next call, and one still held (whole, or only through a view) is never written."""
+    n = 2
+    for out in run_local(jobs.pooled_outputs_across_steps, num_proc=n):
+        sums = [float(sum(step + k for k in range(n))) for step in range(6)]
+        assert out["kept"] == [[sums[s]] * 2 for s in (0, 2, 4)]
+        for whole, step in zip(out["kept_whole"], (0, 2, 4)):
+            assert (whole == sums[step]).all()
+        assert out["views"] == [[sums[3]] * 2]
+        assert out["gathers"] == [(float(step), float(step + 1)) for step in range(6)]
+        # Odd steps drop their output at once (except step 3's view): its pages come back.
+        assert out["reused"] >= 2, out["reused"]
+
+
 def test_batched_in_place_allreduce_matches_by_name_across_different_batches():
     for out in run_local(jobs.batches_that_differ_by_rank, num_proc=2):
         # In place: a = 0+1, b = 1+2, c = 2+3, d = 3+4 on both ranks.
