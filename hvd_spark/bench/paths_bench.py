@@ -3,6 +3,8 @@
 ``hvd.allreduce(x)`` (out of place: a new array) against ``hvd.allreduce_(x)`` (in place),
 for float32 and the half-precision types, at each size; rounds alternate the paths and
 the table gives medians, busbw (= 2(N-1)/N x bytes / time) and the out/in ratio.
+``--kernels torch`` runs ranks that imported ``hvd_spark.torch``, whose float16/bfloat16
+reduction kernels replace numpy's.
 """
 
 from __future__ import annotations
@@ -22,16 +24,22 @@ def _parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
-def _rank(sizes: list[int], dtypes: list[str], rounds: int, budget: int) -> dict:
+def _rank(sizes: list[int], dtypes: list[str], rounds: int, budget: int,
+          kernels: str = "numpy") -> dict:
     import time
 
     import ml_dtypes
     import numpy as np
 
     import hvd_spark.collectives as hvd
+    from hvd_spark.collectives import ops
 
+    if kernels == "torch":
+        import hvd_spark.torch  # noqa: F401 - registers torch's half-precision kernels
+    else:
+        ops.register_half_kernels(None)
     hvd.init()
-    out: dict = {}
+    out: dict = {"kernels": ops.half_kernels_name()}
     for dtype_name in dtypes:
         dtype = np.dtype(ml_dtypes.bfloat16 if dtype_name == "bfloat16" else dtype_name)
         for nbytes in sizes:
@@ -61,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1M,64M", help="comma list (default 1M,64M)")
     parser.add_argument("--dtypes", default="float32", help=f"comma list of {_DTYPES}")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kernels", choices=("numpy", "torch"), default="numpy",
+                        help="float16/bfloat16 reduction kernels (torch: ranks import "
+                        "hvd_spark.torch)")
     parser.add_argument("--budget-mb", type=int, default=512, help="bytes per round and size")
     args = parser.parse_args(argv)
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
@@ -69,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unknown dtypes {bad}; choose from {_DTYPES}")
     n = args.num_proc
-    result = run_local(_rank, args=(sizes, dtypes, args.rounds, args.budget_mb << 20),
-                       num_proc=n)[0]
+    result = run_local(_rank, args=(sizes, dtypes, args.rounds, args.budget_mb << 20,
+                                    args.kernels), num_proc=n)[0]
+    kernels = result.pop("kernels")
     factor = 2 * (n - 1) / n
-    print(f"{n} ranks, medians of {args.rounds} alternating rounds")
+    print(f"{n} ranks, medians of {args.rounds} alternating rounds, half kernels: {kernels}")
     print("| dtype | size | in place (ms) | busbw GB/s | out of place (ms) | busbw GB/s | "
           "out/in |\n|---|---|---|---|---|---|---|")
     for (dtype, nbytes), t in result.items():

@@ -1,11 +1,21 @@
 """Reduction operations and the dtypes the collectives accept.
 
 Pure numpy; the names (Sum, Average, ...) are the ones Horovod users know.
+
+float16 and bfloat16 reduce and scale in float32, rounding back once per step (as
+Horovod does). bfloat16 (and float16 scaling) go a cache-sized chunk at a time through
+per-thread float32 scratch; float16 reductions use numpy's own loops, which compute
+the same way, because numpy's float16 casts are scalar and no faster. A framework
+binding may lend vectorised kernels for both (:func:`register_half_kernels`); they
+must round the same way, and numpy stays the default and the fallback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import threading
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -61,7 +71,53 @@ _UFUNCS = {
     ReduceOp.Product: np.multiply,
 }
 
-_HALF = (np.dtype(np.float16), BFLOAT16)
+_FLOAT16 = np.dtype(np.float16)
+_HALF = frozenset((_FLOAT16, BFLOAT16))
+
+#: Elements per float32 scratch chunk: two 256 KB buffers stay in L2 while reduced.
+HALF_CHUNK = 1 << 16
+
+_scratch = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class HalfKernels:
+    """float16/bfloat16 kernels a framework binding lends the collectives.
+
+    Both receive 1-D C-contiguous writable arrays of one half dtype and equal size, and
+    return False to decline (numpy then does the work). They must compute as the numpy
+    path does: in float32, rounded to nearest even once per call.
+
+    Attributes:
+        name: Shown by :func:`half_kernels_name` (e.g. ``"torch"``).
+        reduce: ``reduce(dst, src, op, base) -> bool``: ``dst = op(base, src)``,
+            ``base`` is ``dst`` when the caller gave none; Average sums.
+        scale: ``scale(arr, factor) -> bool``: ``arr *= float32(factor)``.
+    """
+
+    name: str
+    reduce: Callable[[np.ndarray, np.ndarray, ReduceOp, np.ndarray], bool]
+    scale: Callable[[np.ndarray, float], bool]
+
+
+_half_kernels: HalfKernels | None = None
+
+
+def register_half_kernels(kernels: HalfKernels | None) -> HalfKernels | None:
+    """Use ``kernels`` for float16/bfloat16 from now on (None: back to numpy).
+
+    Returns:
+        The kernels registered before, so a caller (or a test) can restore them.
+    """
+    global _half_kernels
+    previous, _half_kernels = _half_kernels, kernels
+    return previous
+
+
+def half_kernels_name() -> str:
+    """Who reduces float16/bfloat16 now: ``"numpy"`` or the registered kernels' name."""
+    kernels = _half_kernels
+    return "numpy" if kernels is None else kernels.name
 
 
 def is_floating(dtype: np.dtype) -> bool:
@@ -97,9 +153,58 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp,
                 base: np.ndarray | None = None) -> None:
     """``dst = op(base, src)`` element-wise (``base`` defaults to ``dst`` itself: in place).
 
-    Average sums; the caller scales afterwards.
+    Average sums; the caller scales afterwards. float16/bfloat16 compute in float32
+    and round once (see the module docstring).
     """
-    _UFUNCS[op](dst if base is None else base, src, out=dst)
+    if dst.dtype in _HALF:
+        _reduce_half(dst, src, op, dst if base is None else base)
+    else:
+        _UFUNCS[op](dst if base is None else base, src, out=dst)
+
+
+def _flat(arr: np.ndarray, size: int) -> np.ndarray | None:
+    """A 1-D view of ``arr`` when it is contiguous with ``size`` elements, else None."""
+    if arr.size != size or not arr.flags.c_contiguous:
+        return None
+    return arr.reshape(-1)
+
+
+def _scratch_f32() -> tuple[np.ndarray, np.ndarray]:
+    # Per thread: the engine thread and callers reducing eagerly may run at once.
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = (np.empty(HALF_CHUNK, np.float32),
+                                np.empty(HALF_CHUNK, np.float32))
+    return bufs
+
+
+def _reduce_half(dst: np.ndarray, src: np.ndarray, op: ReduceOp, base: np.ndarray) -> None:
+    ufunc = _UFUNCS[op]
+    n = dst.size
+    d, s, b = _flat(dst, n), _flat(src, n), _flat(base, n)
+    if d is None or s is None or b is None or src.dtype != dst.dtype or base.dtype != dst.dtype:
+        # Strided or broadcast: numpy's own half ufuncs also compute in float32 and
+        # round once, element by element (slow, but the hot paths never get here).
+        ufunc(base, src, out=dst)
+        return
+    kernels = _half_kernels
+    if (kernels is not None and s.flags.writeable and b.flags.writeable
+            and kernels.reduce(d, s, op, b)):
+        return
+    if dst.dtype == _FLOAT16:
+        # numpy converts float16 one element at a time (~2-3 ns each way): upcasting
+        # into scratch costs more than its own loop, which also computes in float32
+        # and rounds once.
+        ufunc(b, s, out=d)
+        return
+    fa, fs = _scratch_f32()
+    for start in range(0, n, HALF_CHUNK):
+        stop = min(start + HALF_CHUNK, n)
+        a32, s32 = fa[: stop - start], fs[: stop - start]
+        np.copyto(a32, b[start:stop], casting="unsafe")
+        np.copyto(s32, s[start:stop], casting="unsafe")
+        ufunc(a32, s32, out=a32)
+        np.copyto(d[start:stop], a32, casting="unsafe")  # the one rounding
 
 
 def scale_in_place(arr: np.ndarray, factor: float) -> None:
@@ -111,7 +216,7 @@ def scale_in_place(arr: np.ndarray, factor: float) -> None:
     if factor == 1.0:
         return
     if arr.dtype in _HALF:
-        arr[...] = (arr.astype(np.float32) * np.float32(factor)).astype(arr.dtype)
+        _scale_half(arr, factor)
     elif is_floating(arr.dtype):
         np.multiply(arr, factor, out=arr, casting="unsafe")
     else:
@@ -121,3 +226,21 @@ def scale_in_place(arr: np.ndarray, factor: float) -> None:
 def finish_average(arr: np.ndarray, size: int) -> None:
     """Turn a sum over ``size`` ranks into the average (integers truncate toward zero)."""
     scale_in_place(arr, 1.0 / size)
+
+
+def _scale_half(arr: np.ndarray, factor: float) -> None:
+    f32 = np.float32(factor)
+    flat = _flat(arr, arr.size)
+    if flat is None:
+        arr[...] = (arr.astype(np.float32) * f32).astype(arr.dtype)
+        return
+    kernels = _half_kernels
+    if kernels is not None and kernels.scale(flat, factor):
+        return
+    buf = _scratch_f32()[0]
+    for start in range(0, flat.size, HALF_CHUNK):
+        stop = min(start + HALF_CHUNK, flat.size)
+        a32 = buf[: stop - start]
+        np.copyto(a32, flat[start:stop], casting="unsafe")
+        np.multiply(a32, f32, out=a32)
+        np.copyto(flat[start:stop], a32, casting="unsafe")

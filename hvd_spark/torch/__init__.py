@@ -35,7 +35,7 @@ from hvd_spark.collectives import (
     start_timeline,
     stop_timeline,
 )
-from hvd_spark.torch import elastic  # noqa: E402 - needs the names above
+from hvd_spark.torch import elastic, half_kernels  # noqa: E402 - needs the names above
 from hvd_spark.torch.compression import Compression, Compressor
 from hvd_spark.torch.functions import (
     allgather_object,
@@ -81,6 +81,10 @@ from hvd_spark.torch.mpi_ops import (
 )
 from hvd_spark.torch.optimizer import DistributedOptimizer
 from hvd_spark.torch.sync_batch_norm import SyncBatchNorm
+
+# float16/bfloat16 gradients reduce through torch's vectorised CPU kernels (numpy's
+# half conversions are scalar); same rounding, bitwise the same results.
+half_kernels.register()
 
 __all__ = [
     "elastic",

@@ -264,3 +264,37 @@ def wrong_secret_probe() -> str:
             verdict = "rejected"
     total = hvd.allreduce(np.ones(5), op=hvd.Sum)
     return f"{verdict} {total.tolist()}"
+
+
+def half_input(dtype, rank: int) -> np.ndarray:
+    """A rank's float16/bfloat16 tensor: 1.5 shm slots and an odd tail, with NaN, inf and
+    subnormals at fixed places (the tests rebuild it for their reference)."""
+    rng = np.random.default_rng(100 + rank)
+    x = (rng.standard_normal((1 << 19) * 3 + 17) * 4).astype(np.float32)
+    x[3 + rank] = np.nan
+    x[11] = np.inf if rank == 1 else 2.0
+    x[20:30] = float(ml_dtypes.finfo(dtype).smallest_subnormal) * (rank + 1)
+    return x.astype(dtype)
+
+
+def half_allreduces(kernels: str) -> dict:
+    """float16/bfloat16 allreduces of every op, out of place and in place, through the ring
+    and the eager path, with numpy's half kernels or ("torch") the torch binding's."""
+    from hvd_spark.collectives import ops
+
+    if kernels == "torch":
+        import hvd_spark.torch  # noqa: F401 - registers torch's half kernels
+    else:
+        ops.register_half_kernels(None)
+    hvd.init()
+    r = hvd.rank()
+    out: dict = {"kernels": ops.half_kernels_name()}
+    for name, dtype in (("f16", np.dtype(np.float16)), ("bf16", ops.BFLOAT16)):
+        x = half_input(dtype, r)
+        for op in ("Sum", "Average", "Min", "Max", "Product"):
+            out[name, op] = hvd.allreduce(x, op=getattr(hvd, op), name=f"h.{name}.{op}")
+        inplace = x.copy()
+        hvd.allreduce_(inplace, op=hvd.Sum, name=f"h.{name}.in_place")
+        out[name, "in_place"] = inplace
+        out[name, "small"] = hvd.allreduce(x[:40], op=hvd.Average, name=f"h.{name}.small")
+    return out

@@ -96,6 +96,78 @@ def test_every_operation(num_proc, env):
         assert (out["async"] == total).all()
 
 
+def _same_values(got: np.ndarray, want: np.ndarray, bits: bool) -> None:
+    """NaN at the same places; elsewhere the same bits (``bits``) or values (+0 == -0)."""
+    g, w = got.astype(np.float32), want.astype(np.float32)
+    nan = np.isnan(w)
+    np.testing.assert_array_equal(np.isnan(g), nan)
+    if bits:
+        np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+    else:
+        np.testing.assert_array_equal(g[~nan], w[~nan])
+
+
+def _one_ring_order(got: np.ndarray, xs: list[np.ndarray]) -> None:
+    """Each element is a float32 sum rounded once per step, the ranks' values taken in
+    one cyclic order (which one depends on where the element's segment starts)."""
+    n = len(xs)
+    candidates = []
+    for start in range(n):
+        for step in (1, -1):
+            acc = xs[start]
+            for k in range(1, n):
+                nxt = xs[(start + step * k) % n]
+                acc = (acc.astype(np.float32) + nxt.astype(np.float32)).astype(got.dtype)
+            candidates.append(acc)
+    g = got.view(np.uint16)
+    nan = np.isnan(got.astype(np.float32))
+    match = nan.copy()
+    for c in candidates:
+        match |= g == c.view(np.uint16)
+        assert (np.isnan(c.astype(np.float32)) == nan).all()
+    assert match.all(), f"{(~match).sum()} elements match no ring order"
+
+
+@pytest.mark.parametrize("num_proc,env", [(2, {}), (3, {"HVD_SPARK_DISABLE_SHM": "1"})])
+def test_half_precision_allreduce_rounds_once_and_ranks_agree_bitwise(num_proc, env):
+    import ml_dtypes
+
+    n = num_proc
+    runs = {k: run_local(jobs.half_allreduces, args=(k,), num_proc=n, env=env)
+            for k in ("numpy", "torch")}
+    dtypes = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
+    with np.errstate(all="ignore"):
+        for kernels, results in runs.items():
+            assert [out["kernels"] for out in results] == [kernels] * n
+            for key, first in results[0].items():
+                if key == "kernels":
+                    continue
+                for r, out in enumerate(results):
+                    assert out[key].tobytes() == first.tobytes(), (kernels, key, r)
+            for name, dtype in dtypes.items():
+                xs = [jobs.half_input(dtype, r).astype(np.float32) for r in range(n)]
+                got = results[0]
+                for key in ("Sum", "in_place"):
+                    _one_ring_order(got[name, key], [x.astype(dtype) for x in xs])
+                avg = (got[name, "Sum"].astype(np.float32) * np.float32(1 / n)).astype(dtype)
+                _same_values(got[name, "Average"], avg, bits=True)
+                # Eager: the coordinator sums the rows in rank order, rounding each step.
+                small = xs[0][:40].astype(dtype)
+                for x in xs[1:]:
+                    small = (small.astype(np.float32) + x[:40]).astype(dtype)
+                small = (small.astype(np.float32) * np.float32(1 / n)).astype(dtype)
+                _same_values(got[name, "small"], small, bits=True)
+                _same_values(got[name, "Min"], np.minimum.reduce(xs).astype(dtype), bits=False)
+                _same_values(got[name, "Max"], np.maximum.reduce(xs).astype(dtype), bits=False)
+                if n == 2:
+                    _same_values(got[name, "Product"], (xs[0] * xs[1]).astype(dtype), bits=True)
+        # torch's kernels and numpy's: the same bits (Min/Max: +0 and -0 may swap).
+        for key, want in runs["numpy"][0].items():
+            if key != "kernels":
+                _same_values(runs["torch"][0][key], want,
+                             bits=key[1] not in ("Min", "Max"))
+
+
 def test_out_of_order_names_and_fusion():
     a, b = run_local(jobs.out_of_order_and_fusion, num_proc=2)
     for out in (a, b):

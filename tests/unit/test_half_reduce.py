@@ -1,0 +1,257 @@
+"""float16/bfloat16 reductions and scaling: float32 arithmetic, rounded once per step.
+
+Every case runs with numpy's kernels and with the torch binding's registered ones, and
+compares bitwise with a float32 numpy reference rounded once (NaN: position only, the
+payload is not part of the contract).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from hvd_spark.collectives import ops
+
+# Overflow and inf - inf warn as they do for float32; the values are what is tested.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+HALF_DTYPES = [np.dtype(np.float16), ops.BFLOAT16]
+REF_UFUNCS = {ops.Sum: np.add, ops.Average: np.add, ops.Min: np.minimum,
+              ops.Max: np.maximum, ops.Product: np.multiply}
+REDUCE_OPS = list(REF_UFUNCS)
+C = ops.HALF_CHUNK
+SIZES = [0, 1, 7, C - 1, C, 2 * C + 3, (1 << 15) + 1]
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def kernels(request):
+    """Runs the test with numpy's kernels, then with torch's registered."""
+    if request.param == "torch":
+        half_kernels = pytest.importorskip("hvd_spark.torch.half_kernels")
+        previous = ops.register_half_kernels(half_kernels.KERNELS)
+    else:
+        previous = ops.register_half_kernels(None)
+    assert ops.half_kernels_name() == request.param
+    yield request.param
+    ops.register_half_kernels(previous)
+
+
+def _specials(dtype: np.dtype) -> np.ndarray:
+    info = ml_dtypes.finfo(dtype)
+    return np.array([0.0, -0.0, np.inf, -np.inf, np.nan, float(info.max), -float(info.max),
+                     float(info.smallest_subnormal), -float(info.smallest_subnormal),
+                     float(info.smallest_normal), 1.0, -1.0, 3.0, 1e-3], dtype)
+
+
+def _random(rng: np.random.Generator, shape, dtype: np.dtype) -> np.ndarray:
+    """Every bit pattern of the dtype is fair game (NaNs, infinities, subnormals)."""
+    return rng.integers(0, 1 << 16, shape, dtype=np.uint16).view(dtype)
+
+
+def _pairs(dtype: np.dtype, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    a, b = _random(rng, n, dtype), _random(rng, n, dtype)
+    # Specials against each other and against ordinary values, near the start.
+    sp = _specials(dtype)
+    k = min(n, sp.size * sp.size)
+    a[:k] = np.repeat(sp, sp.size)[:k]
+    b[:k] = np.tile(sp, sp.size)[:k]
+    return a, b
+
+
+def _ref_reduce(a: np.ndarray, b: np.ndarray, op: ops.ReduceOp) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return REF_UFUNCS[op](a.astype(np.float32), b.astype(np.float32)).astype(a.dtype)
+
+
+def _ref_scale(a: np.ndarray, factor: float) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return (a.astype(np.float32) * np.float32(factor)).astype(a.dtype)
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, zero_sign: bool = True) -> None:
+    """Bitwise equal, except that NaNs only need to sit at the same positions.
+
+    ``zero_sign=False`` (Min/Max): min(+0, -0) may be either zero. IEEE 754 leaves it
+    open, and numpy's float16 and float32 loops and torch's vector and scalar ones
+    differ; each element is still computed on one rank, so ranks agree bitwise.
+    """
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g32, w32 = got.astype(np.float32), want.astype(np.float32)
+    nan = np.isnan(w32)
+    np.testing.assert_array_equal(np.isnan(g32), nan)
+    if not zero_sign:
+        got, want = got.copy(), want.copy()
+        got[g32 == 0] = 0
+        want[w32 == 0] = 0
+    g, w = got.view(np.uint16)[~nan], want.view(np.uint16)[~nan]
+    bad = np.flatnonzero(g != w)
+    assert bad.size == 0, (f"{bad.size} elements differ, first at {bad[0]}: "
+                           f"{got[~nan][bad[0]]!r} != {want[~nan][bad[0]]!r}")
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("op", REDUCE_OPS, ids=lambda o: o.name)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("with_base", [False, True], ids=["in_place", "base"])
+def test_reduce_rounds_once_from_float32(kernels, dtype, op, n, with_base):
+    a, b = _pairs(dtype, n, seed=n)
+    want = _ref_reduce(a, b, op)
+    a_before, b_before = a.copy(), b.copy()
+    if with_base:
+        dst = np.full(n, 7, dtype)
+        ops.reduce_into(dst, b, op, a)
+        assert a.tobytes() == a_before.tobytes()
+    else:
+        dst = a
+        ops.reduce_into(dst, b, op)
+    assert b.tobytes() == b_before.tobytes()
+    assert_same_bits(dst, want, zero_sign=op not in (ops.Min, ops.Max))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("op", REDUCE_OPS, ids=lambda o: o.name)
+def test_reduce_zero_d_and_shaped(kernels, dtype, op):
+    a = np.array(1.5, dtype)
+    ops.reduce_into(a, np.array(-0.25, dtype), op)
+    assert a.shape == () and a.dtype == dtype
+    assert_same_bits(a, _ref_reduce(np.array(1.5, dtype), np.array(-0.25, dtype), op))
+    x, y = (v.reshape(3, 5, 7) for v in _pairs(dtype, 105, seed=3))
+    want = _ref_reduce(x, y, op)
+    ops.reduce_into(x, y, op)
+    assert_same_bits(x, want, zero_sign=op not in (ops.Min, ops.Max))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_strided_and_read_only_arrays_fall_back_correctly(kernels, dtype):
+    a, b = _pairs(dtype, 3 * C + 1, seed=5)
+    want = _ref_reduce(a[::3], b[::3], ops.Sum)
+    dst = a[::3]
+    ops.reduce_into(dst, b[::3], ops.Sum)  # strided: never handed to a kernel
+    assert_same_bits(dst, want)
+    a, b = _pairs(dtype, C + 5, seed=6)
+    want = _ref_reduce(a, b, ops.Product)
+    b.flags.writeable = False  # torch.from_numpy would warn about it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        ops.reduce_into(a, b, ops.Product)
+    assert_same_bits(a, want)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("factor", [0.5, 1 / 3, 1 / 7, 3.7, 1e-8, 70000.0, -2.0])
+@pytest.mark.parametrize("n", [0, 1, C + 3])
+def test_scale_in_place_rounds_once(kernels, dtype, factor, n):
+    a = _pairs(dtype, n, seed=11)[0]
+    want = _ref_scale(a, factor)
+    ops.scale_in_place(a, factor)
+    assert_same_bits(a, want)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("size", [2, 3, 8])
+def test_average_is_sum_then_one_scaling(kernels, dtype, size):
+    x = _pairs(dtype, 9 * (C // 4 + 1), seed=size)[0].reshape(-1, 9)
+    want = _ref_scale(x, 1.0 / size)
+    ops.finish_average(x, size)
+    assert_same_bits(x, want)
+    strided = _pairs(dtype, 30, seed=1)[0][::2]
+    want = _ref_scale(strided, 1.0 / size)
+    ops.finish_average(strided, size)
+    assert_same_bits(strided, want)
+
+
+def test_zero_d_scale_and_empty(kernels):
+    z = np.array(3.0, np.float16)
+    ops.scale_in_place(z, 0.25)
+    assert z.shape == () and float(z) == 0.75
+    e = np.zeros((0, 4), ops.BFLOAT16)
+    ops.reduce_into(e, e.copy(), ops.Sum)
+    ops.scale_in_place(e, 0.5)
+    assert e.shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_torch_kernels_match_numpy_bitwise(dtype):
+    half_kernels = pytest.importorskip("hvd_spark.torch.half_kernels")
+    a, b = _pairs(dtype, 5 * C + 11, seed=42)
+    results = {}
+    for name, k in (("numpy", None), ("torch", half_kernels.KERNELS)):
+        previous = ops.register_half_kernels(k)
+        try:
+            got = {}
+            for op in REDUCE_OPS:
+                dst = a.copy()
+                ops.reduce_into(dst, b, op)
+                got[op] = dst
+            for factor in (0.5, 1 / 3, 0.1):
+                s = a.copy()
+                ops.scale_in_place(s, factor)
+                got[factor] = s
+        finally:
+            ops.register_half_kernels(previous)
+        results[name] = got
+    for key, want in results["numpy"].items():
+        # Sum/Average and scaling: the same bits (NaN payloads aside: torch makes every
+        # bfloat16 NaN 0x7fc0, ml_dtypes keeps the payload).
+        assert_same_bits(results["torch"][key], want, zero_sign=key not in (ops.Min, ops.Max))
+    if dtype == np.float16:
+        for key in (ops.Sum, ops.Average, 0.5, 1 / 3, 0.1):
+            assert results["torch"][key].tobytes() == results["numpy"][key].tobytes(), key
+
+
+def test_a_kernel_may_decline_and_numpy_takes_over():
+    calls = []
+
+    def reduce(dst, src, op, base):
+        calls.append(("reduce", dst.shape, src.flags.c_contiguous, base.ndim))
+        return False
+
+    def scale(arr, factor):
+        calls.append(("scale", arr.shape, factor))
+        return False
+
+    previous = ops.register_half_kernels(ops.HalfKernels("decliner", reduce, scale))
+    try:
+        assert ops.half_kernels_name() == "decliner"
+        a = np.full((4, 5), 1.5, np.float16)
+        ops.reduce_into(a, np.full((4, 5), 0.25, np.float16), ops.Sum)
+        ops.scale_in_place(a, 2.0)
+        ops.scale_in_place(a, 1.0)  # no-op: no call
+        ops.reduce_into(np.ones(3, np.float32), np.ones(3, np.float32), ops.Sum)  # not half
+    finally:
+        assert ops.register_half_kernels(previous).name == "decliner"
+    assert a.tolist() == [[3.5] * 5] * 4
+    # Kernels see flat contiguous arrays only.
+    assert calls == [("reduce", (20,), True, 1), ("scale", (20,), 2.0)]
+
+
+def test_importing_the_torch_binding_registers_its_kernels():
+    pytest.importorskip("torch")
+    code = ("from hvd_spark.collectives import ops; a = ops.half_kernels_name(); "
+            "import hvd_spark.torch; print(a, ops.half_kernels_name())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["numpy", "torch"]
+    import hvd_spark.torch.half_kernels as half_kernels
+
+    previous = ops.register_half_kernels(None)
+    try:
+        half_kernels.register()
+        assert ops.half_kernels_name() == "torch"
+        half_kernels.unregister()
+        assert ops.half_kernels_name() == "numpy"
+    finally:
+        ops.register_half_kernels(previous)
+
+
+def test_float32_path_unchanged():
+    a = np.arange(10, dtype=np.float32)
+    dst = np.empty_like(a)
+    ops.reduce_into(dst, a, ops.Max, np.full(10, 4.5, np.float32))
+    assert dst.tolist() == [4.5] * 5 + [5.0, 6.0, 7.0, 8.0, 9.0]
