@@ -17,10 +17,13 @@ import hvd_spark
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from tests.conftest import _session
 from tests.integration import collective_jobs as jobs
+from tests.integration import elastic_jobs
+from tests.integration.elastic_jobs import count_steps
 
 # tests/ is not on the workers' path: ship these modules' functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(jobs)
+cloudpickle.register_pickle_by_value(elastic_jobs)
 
 STEPS = 120
 
@@ -69,28 +72,8 @@ def _executor_pid() -> int:
 
 
 def _train() -> tuple[int, int, int, float]:
-    import time
-
-    import numpy as np
-
-    import hvd_spark.collectives as hvd
-
-    executor = _executor_pid()
-    hvd.init()
-    state = hvd.elastic.ObjectState(step=0, total=0.0)
-
-    @hvd.elastic.run
-    def loop(state):
-        while state.step < STEPS:
-            state.total += float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])
-            state.step += 1
-            if state.step % 5 == 0:
-                state.commit()
-                print(f"step {state.step} size {hvd.size()} executor {executor}", flush=True)
-            time.sleep(0.05)
-        return hvd.rank(), hvd.size(), state.step, state.total
-
-    return loop(state)
+    # Each commit line names this rank's executor, which KillExecutorAt kills.
+    return count_steps(STEPS, commit_every=5, pause_s=0.05, tag=f"executor {_executor_pid()}")
 
 
 def test_an_executor_killed_mid_training_does_not_end_the_run(spark_three_executors,

@@ -15,6 +15,7 @@ from hvd_spark.errors import WorkerFailedError
 from hvd_spark.runner import spark_launcher
 from hvd_spark.runner.connect import ConnectContext
 from tests.integration.connect_server import ConnectServer
+from tests.integration.elastic_jobs import count_steps
 
 _MODE_VARS = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")
 # The first test also waits for the server's JVM to start; fits over Connect on a loaded
@@ -83,30 +84,11 @@ def test_run_over_connect(connect):
     assert "[0] rank 0 of 2" in out.getvalue() and "[1] rank 1 of 2" in out.getvalue()
 
 
-def _elastic_steps(steps):
-    import numpy as np
-
-    import hvd_spark.collectives as hvd
-
-    hvd.init()
-    state = hvd.elastic.ObjectState(step=0, total=0.0)
-
-    @hvd.elastic.run
-    def loop(state):
-        while state.step < steps:
-            state.total += float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])
-            state.step += 1
-            state.commit()
-        return hvd.rank(), hvd.size(), state.total
-
-    return loop(state)
-
-
 def test_run_elastic_over_connect(connect):
     err = io.StringIO()
-    results = hvd_spark.run_elastic(_elastic_steps, args=(12,), num_proc=2, min_np=1,
+    results = hvd_spark.run_elastic(count_steps, args=(12,), num_proc=2, min_np=1,
                                     start_timeout=120, stdout=io.StringIO(), stderr=err)
-    assert results == [(0, 2, 24.0), (1, 2, 24.0)]
+    assert results == [(0, 2, 12, 24.0), (1, 2, 12, 24.0)]
     assert "generation 1: 2 ranks" in err.getvalue()
     # The run's tagged job ended with it: the session runs the next job at once.
     assert connect.range(3).count() == 3

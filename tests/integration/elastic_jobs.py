@@ -1,0 +1,37 @@
+"""An elastic job the Spark tests run on real executors (importable by the workers)."""
+
+from __future__ import annotations
+
+import time
+
+
+def count_steps(steps: int, commit_every: int = 1, pause_s: float = 0.0,
+                tag: str = "") -> tuple[int, int, int, float]:
+    """Sum one allreduce of ones per step, elastically, until ``steps`` steps are done.
+
+    Every ``commit_every`` steps it commits and, when ``tag`` is given, prints
+    ``step N size S <tag>`` (tests watch these lines to act mid-run).
+
+    Returns:
+        ``(rank, size, steps done, total)``: the total counts each step's ranks once.
+    """
+    import numpy as np
+
+    import hvd_spark.collectives as hvd
+
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0, total=0.0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < steps:
+            state.total += float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])
+            state.step += 1
+            if state.step % commit_every == 0:
+                state.commit()
+                if tag:
+                    print(f"step {state.step} size {hvd.size()} {tag}", flush=True)
+            time.sleep(pause_s)
+        return hvd.rank(), hvd.size(), state.step, state.total
+
+    return loop(state)
