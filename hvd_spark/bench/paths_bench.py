@@ -25,7 +25,7 @@ def _parse_size(text: str) -> int:
 
 
 def _rank(sizes: list[int], dtypes: list[str], rounds: int, budget: int,
-          kernels: str = "numpy") -> dict:
+          kernels: str = "numpy", op_name: str = "sum") -> dict:
     import time
 
     import ml_dtypes
@@ -39,14 +39,15 @@ def _rank(sizes: list[int], dtypes: list[str], rounds: int, budget: int,
     else:
         ops.register_half_kernels(None)
     hvd.init()
+    op = hvd.Average if op_name == "average" else hvd.Sum
     out: dict = {"kernels": ops.half_kernels_name()}
     for dtype_name in dtypes:
         dtype = np.dtype(ml_dtypes.bfloat16 if dtype_name == "bfloat16" else dtype_name)
         for nbytes in sizes:
             x = np.ones(nbytes // dtype.itemsize, dtype)
             iters = max(2, min(50, budget // nbytes))
-            paths = {"in": lambda x=x: hvd.allreduce_(x, op=hvd.Sum, name="b"),
-                     "out": lambda x=x: hvd.allreduce(x, op=hvd.Sum, name="b")}
+            paths = {"in": lambda x=x: hvd.allreduce_(x, op=op, name="b"),
+                     "out": lambda x=x: hvd.allreduce(x, op=op, name="b")}
             times: dict[str, list[float]] = {"in": [], "out": []}
             for path in paths.values():
                 path()  # warm-up
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", choices=("numpy", "torch"), default="numpy",
                         help="float16/bfloat16 reduction kernels (torch: ranks import "
                         "hvd_spark.torch)")
+    parser.add_argument("--op", choices=("sum", "average"), default="sum",
+                        help="reduction (average: what gradient averaging calls)")
     parser.add_argument("--budget-mb", type=int, default=512, help="bytes per round and size")
     args = parser.parse_args(argv)
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
@@ -81,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown dtypes {bad}; choose from {_DTYPES}")
     n = args.num_proc
     result = run_local(_rank, args=(sizes, dtypes, args.rounds, args.budget_mb << 20,
-                                    args.kernels), num_proc=n)[0]
+                                    args.kernels, args.op), num_proc=n)[0]
     kernels = result.pop("kernels")
     factor = 2 * (n - 1) / n
-    print(f"{n} ranks, medians of {args.rounds} alternating rounds, half kernels: {kernels}")
+    print(f"{n} ranks, op {args.op}, medians of {args.rounds} alternating rounds, "
+          f"half kernels: {kernels}")
     print("| dtype | size | in place (ms) | busbw GB/s | out of place (ms) | busbw GB/s | "
           "out/in |\n|---|---|---|---|---|---|---|")
     for (dtype, nbytes), t in result.items():

@@ -37,6 +37,9 @@ class Communicator(abc.ABC):
 
         Backends whose ``reads_source`` is True also take ``source=`` (a SegmentedBuffer
         laid out as ``buf`` holding the inputs) and then need not find them in ``buf``.
+        Backends whose ``finishes_segments`` is True also take ``finish=``: a function of
+        a list of views that every element of the result must go through exactly once,
+        on one rank, before the others receive it (Average's division, a postscale).
         """
 
     @abc.abstractmethod
@@ -71,6 +74,8 @@ class Communicator(abc.ABC):
 
     #: Whether ``allreduce`` accepts ``source=`` (out of place with no copy of the input).
     reads_source = False
+    #: Whether ``allreduce`` accepts ``finish=`` (see ``allreduce``).
+    finishes_segments = False
 
     def abort(self) -> None:
         """Make operations blocked in another thread fail now (the job is breaking up).

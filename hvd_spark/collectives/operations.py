@@ -114,9 +114,7 @@ class Entry:
 
 
 def _finish_reduction(arr: np.ndarray, request: Request, size: int) -> None:
-    if request.op == ops.ReduceOp.Average:
-        ops.finish_average(arr, size)
-    ops.scale_in_place(arr, request.postscale)
+    ops.finish_reduction(arr, ops.ReduceOp(request.op), request.postscale, size)
 
 
 def run_adasum(comm: Communicator, entry: Entry) -> Any:
@@ -166,11 +164,21 @@ def run_allreduce(comm: Communicator, entries: list[Entry],
         pieces += [e.array.reshape(-1) for e in small]
         inputs += [input_of(e) for e in small]
     trace("RING_ALLREDUCE")
-    op = ops.ReduceOp(entries[0].request.op)
+    first = entries[0].request
+    op = ops.ReduceOp(first.op)
+    kwargs: dict[str, Any] = {}
     if reads_source:
-        comm.allreduce(SegmentedBuffer(pieces), op, source=SegmentedBuffer(inputs))
-    else:
-        comm.allreduce(SegmentedBuffer(pieces), op)
+        kwargs["source"] = SegmentedBuffer(inputs)
+    # Fused entries share op and postscale (the coordinator fuses by them), so one
+    # finishing function serves every segment.
+    finished = comm.finishes_segments and (op == ops.ReduceOp.Average or first.postscale != 1.0)
+    if finished:
+        def finish(views: list[np.ndarray]) -> None:
+            for view in views:
+                ops.finish_reduction(view, op, first.postscale, comm.size)
+
+        kwargs["finish"] = finish
+    comm.allreduce(SegmentedBuffer(pieces), op, **kwargs)
     trace("MEMCPY_OUT_FUSION_BUFFER")
     if packed is not None:
         offset = 0
@@ -180,7 +188,8 @@ def run_allreduce(comm: Communicator, entries: list[Entry],
             offset += flat.size
     results = []
     for e in entries:
-        _finish_reduction(e.array, e.request, comm.size)
+        if not finished:
+            _finish_reduction(e.array, e.request, comm.size)
         results.append(e.finish(e.array))
     return results
 

@@ -228,6 +228,21 @@ def finish_average(arr: np.ndarray, size: int) -> None:
     scale_in_place(arr, 1.0 / size)
 
 
+def finish_reduction(arr: np.ndarray, op: ReduceOp, postscale: float, size: int) -> None:
+    """Turn a reduction over ``size`` ranks into the result: Average's division, then
+    ``postscale``.
+
+    Floating-point types scale once by ``postscale / size`` (one rounding, as Horovod
+    does); integers divide first, truncating, then scale (see ``scale_in_place``).
+    """
+    if op == ReduceOp.Average:
+        if is_floating(arr.dtype):
+            postscale = postscale / size
+        else:
+            finish_average(arr, size)
+    scale_in_place(arr, postscale)
+
+
 def _scale_half(arr: np.ndarray, factor: float) -> None:
     f32 = np.float32(factor)
     flat = _flat(arr, arr.size)

@@ -118,6 +118,39 @@ def test_out_of_place_allreduce_reads_the_input_and_fills_every_element(size, n)
         assert outputs[0].tobytes() == in_place[0].tobytes()
 
 
+@pytest.mark.parametrize("size", range(1, 6))
+@pytest.mark.parametrize("n", [0, 1, 7, 97, 1000])
+@pytest.mark.parametrize("out_of_place", [False, True])
+def test_finish_runs_once_per_element_before_the_all_gather(size, n, out_of_place):
+    """finish= sees every element exactly once over all ranks, after its reduction is
+    complete, and every rank ends with the finished bits (as finishing afterwards)."""
+    inputs = [_data(r, n, np.float32) for r in range(size)]
+    seen = [np.zeros(n, np.int64) for _ in range(size)]
+
+    def body(rank, links):
+        buf = inputs[rank].copy() if not out_of_place else np.full(n, np.nan, np.float32)
+        source = SegmentedBuffer([inputs[rank]]) if out_of_place else None
+
+        def finish(views):
+            for view in views:
+                start = (view.ctypes.data - buf.ctypes.data) // buf.itemsize if n else 0
+                seen[rank][start : start + view.size] += 1
+                ops.finish_reduction(view, ops.Average, 3.0, size)
+
+        ring.allreduce(SegmentedBuffer([buf]), ops.Average, rank, size,
+                       links.get((rank - 1) % size), links.get((rank + 1) % size), 24,
+                       source=source, finish=finish)
+        return buf
+
+    outputs = run_ranks(size, body)
+    assert (sum(seen) == 1).all()  # each element finished once, on one rank
+    _, summed = _allreduce(size, n, np.float32, ops.Average, chunk_bytes=24)
+    want = summed[0].copy()
+    ops.finish_reduction(want, ops.Average, 3.0, size)
+    for out in outputs:
+        assert out.tobytes() == want.tobytes()
+
+
 @pytest.mark.parametrize("size", [2, 3, 4, 7])
 def test_reduce_scatter_leaves_own_segment(size):
     n = 29

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -73,11 +73,12 @@ class TcpCommunicator(Communicator):
 
     #: ``allreduce`` takes ``source=``: out of place without copying the input first.
     reads_source = True
+    finishes_segments = True
 
     def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp,
-                  source: SegmentedBuffer | None = None) -> None:
+                  source: SegmentedBuffer | None = None, finish=None) -> None:
         ring.allreduce(buf, op, self.rank, self.size, self.left, self.right, self.chunk_bytes,
-                       source)
+                       source, finish)
 
     def reducescatter(self, buf: SegmentedBuffer, op: ops.ReduceOp, counts: Sequence[int]) -> None:
         if self.size > 1:
