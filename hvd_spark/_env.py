@@ -51,6 +51,13 @@ LOG_LEVEL = "HVD_SPARK_LOG_LEVEL"
 IFACE = "HVD_SPARK_IFACE"
 HIERARCHICAL_ALLREDUCE = "HVD_SPARK_HIERARCHICAL_ALLREDUCE"
 HEARTBEAT = "HVD_SPARK_HEARTBEAT_S"
+# Autotuning (see hvd_spark.collectives.autotune): on/off, its CSV log, its sampling.
+AUTOTUNE = "HVD_SPARK_AUTOTUNE"
+AUTOTUNE_LOG = "HVD_SPARK_AUTOTUNE_LOG"
+AUTOTUNE_WARMUP_SAMPLES = "HVD_SPARK_AUTOTUNE_WARMUP_SAMPLES"
+AUTOTUNE_STEPS_PER_SAMPLE = "HVD_SPARK_AUTOTUNE_STEPS_PER_SAMPLE"
+AUTOTUNE_SAMPLES = "HVD_SPARK_AUTOTUNE_SAMPLES"
+AUTOTUNE_MAX_CANDIDATES = "HVD_SPARK_AUTOTUNE_MAX_CANDIDATES"
 # How CUDA tensors travel: nccl (NCCL / CUDA IPC on the device), host (staged), auto.
 GPU_BACKEND = "HVD_SPARK_GPU_BACKEND"
 # hvdrun's launcher when --mpi is not given: "mpi" starts the ranks with mpirun.
@@ -112,6 +119,12 @@ HOROVOD_FALLBACKS: dict[str, tuple[str, ...]] = {
     HIERARCHICAL_ALLREDUCE: ("HOROVOD_HIERARCHICAL_ALLREDUCE",),
     GPU_BACKEND: ("HOROVOD_GPU_OPERATIONS",),
     ELASTIC_TIMEOUT: ("HOROVOD_ELASTIC_TIMEOUT",),
+    AUTOTUNE: ("HOROVOD_AUTOTUNE",),
+    AUTOTUNE_LOG: ("HOROVOD_AUTOTUNE_LOG",),
+    AUTOTUNE_WARMUP_SAMPLES: ("HOROVOD_AUTOTUNE_WARMUP_SAMPLES",),
+    AUTOTUNE_STEPS_PER_SAMPLE: ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",),
+    # Horovod's cap on Bayesian-optimisation samples caps the candidates here.
+    AUTOTUNE_MAX_CANDIDATES: ("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",),
 }
 
 
@@ -244,8 +257,6 @@ _BUILD_PREFIXES = (
 _FLAGS_WHY = {
     "HOROVOD_HIERARCHICAL_ALLGATHER": "hierarchical allgather is not implemented",
     "HOROVOD_TORUS_ALLREDUCE": "torus allreduce is not implemented",
-    "HOROVOD_AUTOTUNE": "autotuning is not implemented; set HVD_SPARK_FUSION_THRESHOLD and "
-                        "HVD_SPARK_CYCLE_TIME",
     "HOROVOD_ENABLE_XLA_OPS": "XLA ops are not provided",
     "HOROVOD_ENABLE_ASYNC_COMPLETION": "a GPU-only option of Horovod's NCCL path",
     "HOROVOD_BATCH_D2D_MEMCOPIES": "a GPU-only option of Horovod's NCCL path",
@@ -307,7 +318,8 @@ def unsupported_horovod_vars(environ: dict[str, str] | None = None) -> dict[str,
         elif var in _ALWAYS_WHY:
             found[var] = _ALWAYS_WHY[var]
         elif var.startswith(_AUTOTUNE_PREFIX):
-            found[var] = _FLAGS_WHY["HOROVOD_AUTOTUNE"]
+            found[var] = ("the autotuner is a coordinate search, not Bayesian optimisation: "
+                          "this setting has no counterpart")
         else:
             found[var] = "not a setting hvd_spark knows (a typo?)"
     return found

@@ -23,6 +23,68 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 DEFAULT_EAGER_BYTES = 64 * 1024
 DEFAULT_STALL_WARNING_S = 60.0
 TIMELINE_DYNAMIC = "DYNAMIC"  # HOROVOD_TIMELINE's value for "no file yet: start_timeline() later"
+# Horovod's autotuning defaults (samples per candidate is its fixed SAMPLES).
+DEFAULT_AUTOTUNE_WARMUP_SAMPLES = 3
+DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE = 10
+DEFAULT_AUTOTUNE_SAMPLES = 5
+DEFAULT_AUTOTUNE_MAX_CANDIDATES = 20
+DEFAULT_AUTOTUNE_MARGIN = 0.05
+# Largest ring chunk the autotuner tries (hvd_spark.collectives.autotune.CHUNK_GRID's).
+AUTOTUNE_MAX_CHUNK_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class AutotuneConfig:
+    """How rank 0 tunes fusion threshold, cycle time and chunk size (see ``autotune``).
+
+    Attributes:
+        warmup_samples: Samples discarded before the first score.
+        steps_per_sample: Training steps per sample (a step ends where a tensor name
+            comes round again).
+        samples: Samples per candidate; its score is their median.
+        max_candidates: Most parameter sets measured before the best is frozen.
+        margin: Relative gain a candidate needs over the best so far (noise).
+        log_path: CSV file of every candidate's score and the choice ("" : none).
+        fixed: Parameters the user set explicitly: they are not tuned.
+    """
+
+    warmup_samples: int = DEFAULT_AUTOTUNE_WARMUP_SAMPLES
+    steps_per_sample: int = DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE
+    samples: int = DEFAULT_AUTOTUNE_SAMPLES
+    max_candidates: int = DEFAULT_AUTOTUNE_MAX_CANDIDATES
+    margin: float = DEFAULT_AUTOTUNE_MARGIN
+    log_path: str = ""
+    fixed: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        for value, least, name in (
+                (self.warmup_samples, 0, _env.AUTOTUNE_WARMUP_SAMPLES),
+                (self.steps_per_sample, 1, _env.AUTOTUNE_STEPS_PER_SAMPLE),
+                (self.samples, 1, _env.AUTOTUNE_SAMPLES),
+                (self.max_candidates, 1, _env.AUTOTUNE_MAX_CANDIDATES)):
+            if value < least:
+                raise ConfigError(f"{_env.source(name)} must be >= {least}, got {value}")
+        if not 0 <= self.margin < 1:
+            raise ConfigError(f"the autotune margin must be in [0, 1), got {self.margin}")
+
+    @classmethod
+    def from_env(cls) -> AutotuneConfig | None:
+        """The settings when HVD_SPARK_AUTOTUNE / HOROVOD_AUTOTUNE is on, else None."""
+        if not _env.get_bool(_env.AUTOTUNE):
+            return None
+        knobs = {"fusion_threshold": _env.FUSION_THRESHOLD, "cycle_time_ms": _env.CYCLE_TIME,
+                 "chunk_bytes": _env.CHUNK_BYTES}
+        return cls(
+            warmup_samples=_env.get_int(_env.AUTOTUNE_WARMUP_SAMPLES,
+                                        DEFAULT_AUTOTUNE_WARMUP_SAMPLES),
+            steps_per_sample=_env.get_int(_env.AUTOTUNE_STEPS_PER_SAMPLE,
+                                          DEFAULT_AUTOTUNE_STEPS_PER_SAMPLE),
+            samples=_env.get_int(_env.AUTOTUNE_SAMPLES, DEFAULT_AUTOTUNE_SAMPLES),
+            max_candidates=_env.get_int(_env.AUTOTUNE_MAX_CANDIDATES,
+                                        DEFAULT_AUTOTUNE_MAX_CANDIDATES),
+            log_path=_env.get_str(_env.AUTOTUNE_LOG, "") or "",
+            fixed=frozenset(k for k, var in knobs.items() if _env.lookup(var) is not None),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +97,7 @@ class EngineConfig:
         cycle_time_ms: Most milliseconds the coordinator waits, after a tensor is ready
             on all ranks, for other half-submitted tensors to join the same fused
             operation (a lone operation never waits).
-        chunk_bytes: Bytes per pipelined ring chunk (also the shared-memory slot size).
+        chunk_bytes: Bytes per pipelined ring chunk at start (see ``slot_bytes``).
         use_shm: Use shared memory between ranks on the same host.
         stall_warning: Seconds after which a tensor some ranks have not submitted is logged
             (``math.inf``: never, as with HOROVOD_STALL_CHECK_DISABLE=1).
@@ -49,6 +111,8 @@ class EngineConfig:
             negotiation: every rank sends its tensor with its request, rank 0 reduces
             them in rank order and sends the result with the response, so a small
             allreduce costs one round trip instead of a round trip plus a ring (0: off).
+        autotune: Tune fusion threshold, cycle time and chunk size on rank 0 from measured
+            throughput (None: off).
     """
 
     timeout: float = DEFAULT_TIMEOUT_S
@@ -62,6 +126,15 @@ class EngineConfig:
     timeline_mark_cycles: bool = False
     timeline_dynamic: bool = False
     eager_bytes: int = DEFAULT_EAGER_BYTES
+    autotune: AutotuneConfig | None = None
+
+    @property
+    def slot_bytes(self) -> int:
+        """The shared-memory slot size: the chunk, or the largest chunk the autotuner may
+        choose (slots are sized once, at setup; a chunk must fit one)."""
+        if self.autotune is not None and "chunk_bytes" not in self.autotune.fixed:
+            return max(self.chunk_bytes, AUTOTUNE_MAX_CHUNK_BYTES)
+        return self.chunk_bytes
 
     def __post_init__(self) -> None:
         # Messages name the variable that supplied the value (ours or Horovod's).
@@ -111,6 +184,7 @@ class EngineConfig:
             timeline_mark_cycles=_env.get_bool(_env.TIMELINE_MARK_CYCLES),
             timeline_dynamic=dynamic,
             eager_bytes=_env.get_int(_env.EAGER_BYTES, DEFAULT_EAGER_BYTES),
+            autotune=AutotuneConfig.from_env(),
         )
 
 

@@ -16,6 +16,8 @@ BENCHMARKS = {
     "scaling": ("hvd_spark.bench.scaling", "predicted efficiency on 8-512 hosts (needs root)"),
     "elastic": ("hvd_spark.bench.elastic_bench", "elastic recovery time and commit cost"),
     "paths": ("hvd_spark.bench.paths_bench", "allreduce in place vs out of place, per dtype"),
+    "timeline": ("hvd_spark.bench.timeline_bench", "training step time, timeline off vs on"),
+    "autotune": ("hvd_spark.bench.autotune_bench", "autotune on vs off, alternating jobs"),
 }
 
 

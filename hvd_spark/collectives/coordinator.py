@@ -9,6 +9,7 @@ that set's members, and ranks that called ``join()`` stand in with zeros.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 
@@ -211,6 +212,10 @@ class Coordinator:
         self._warned: set[str] = set()
         #: Ranks that called join(), in the order they did.
         self.joined: list[int] = []
+        #: A ring chunk size every rank switches to at the next response sent (autotune).
+        self.next_chunk_bytes: int | None = None
+        #: Bytes of the tensors the last ``take_responses`` covered (for the autotuner).
+        self.taken_bytes = 0
 
     def _members(self, request: Request) -> tuple[int, ...] | range:
         return request.members if request.members is not None else range(self.size)
@@ -316,8 +321,11 @@ class Coordinator:
         out: list[Response] = []
         sizes: list[int] = []  # bytes of each fused allreduce in out (0 for the rest)
         open_groups: dict[tuple, int] = {}  # key -> index in out
+        self.taken_bytes = 0
         for name, response in self._ready.items():
             request = self._requests.pop(name, None)
+            if request is not None:
+                self.taken_bytes += request.nbytes
             if (response.kind != m.ALLREDUCE or response.error or request is None
                     or response.joined or request.op == ReduceOp.Adasum):
                 out.append(response)
@@ -344,6 +352,9 @@ class Coordinator:
                 if data is not None:
                     out[i] = Response(m.ALLREDUCE, response.names, members=response.members,
                                       data=data)
+        if out and self.next_chunk_bytes is not None:
+            out[0] = dataclasses.replace(out[0], chunk_bytes=self.next_chunk_bytes)
+            self.next_chunk_bytes = None
         return out
 
     def stalled(self, now: float, older_than: float) -> list[tuple[str, list[int]]]:

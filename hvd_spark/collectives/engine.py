@@ -66,6 +66,7 @@ class Engine(EngineCore):
         self._sock_rank = {s.fileno(): r for r, s in self._control.items()}
         self._coordinator = (Coordinator(size, config.fusion_threshold, self.eager_bytes)
                              if rank == 0 else None)
+        self._start_autotune(self._coordinator)
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -295,7 +296,7 @@ class Engine(EngineCore):
         if self._first_ready is None:
             self._first_ready = time.monotonic()
         waited = time.monotonic() - self._first_ready
-        return max(0.0, self.config.cycle_time_ms / 1000.0 - waited)
+        return max(0.0, self.cycle_time_ms / 1000.0 - waited)
 
     def _coordinate(self) -> None:
         coord = self._coordinator
@@ -313,6 +314,7 @@ class Engine(EngineCore):
             return
         self._first_ready = None
         responses = coord.take_responses()
+        self._taken(coord, responses)
         for peer, sock in self._control.items():
             wire.send_obj(sock, ("resp", responses), f"rank {peer}")
         for response in responses:

@@ -20,9 +20,10 @@ from collections import deque
 
 import numpy as np
 
+from hvd_spark.collectives import autotune, operations, timeline
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives import operations, timeline
 from hvd_spark.collectives.communicator import Communicator
+from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.nccl import arrays
 from hvd_spark.collectives.operations import Entry, Handle
 from hvd_spark.config import EngineConfig
@@ -111,6 +112,54 @@ class EngineCore(abc.ABC):
         self.executed_tensors = 0
         #: Of those responses, allreduces rank 0 reduced during negotiation.
         self.executed_eager = 0
+        #: Rank 0's fusion wait; the autotuner may change it (the config stays as set).
+        self.cycle_time_ms = config.cycle_time_ms
+        #: The ring chunk size the responses have set (rank 0's view, for the autotuner).
+        self.chunk_bytes = config.chunk_bytes
+        self._tuner: autotune.Autotuner | None = None
+        #: Rank 0 with autotuning on: the parameters the tuner froze (None until then).
+        self.autotune_choice: autotune.Params | None = None
+
+    @property
+    def autotuning(self) -> bool:
+        """True while rank 0's autotuner is still measuring."""
+        return self._tuner is not None
+
+    def _start_autotune(self, coordinator: Coordinator | None) -> None:
+        """Rank 0 with autotuning on: tune from the responses ``coordinator`` takes.
+
+        Subclasses call this once their coordinator exists. The chunk size is tuned
+        where the backend can change it mid-run (``set_chunk_bytes``: the TCP ring).
+        """
+        tune = self.config.autotune
+        if coordinator is None or tune is None:
+            return
+        start = autotune.Params(coordinator.fusion_threshold, self.cycle_time_ms,
+                                self.config.chunk_bytes)
+        can_chunk = callable(getattr(self.comm, "set_chunk_bytes", None))
+        self._tuner = autotune.Autotuner(tune, start, tune.fixed, tune_chunk=can_chunk)
+        autotune.log.info("autotune on (%s): tuning %s from %s", type(self).__name__,
+                          ", ".join(k for k, g in self._tuner.search.grids.items()
+                                    if len(g) > 1) or "nothing", start.describe())
+
+    def _taken(self, coordinator: Coordinator, responses: list[m.Response]) -> None:
+        """Rank 0, after ``coordinator.take_responses()``: let the autotuner measure, and
+        apply what it switches to (the chunk travels with the next responses)."""
+        tuner = self._tuner
+        if tuner is None or not responses:
+            return
+        names = [n for r in responses for n in r.names]
+        params = tuner.observe(names, coordinator.taken_bytes, time.monotonic())
+        if tuner.done:
+            self._tuner = None  # nothing more to measure: a long run pays nothing after
+            self.autotune_choice = tuner.search.best
+        if params is None:
+            return
+        autotune.log.debug("autotune trying %s", params.describe())
+        coordinator.fusion_threshold = params.fusion_threshold
+        self.cycle_time_ms = params.cycle_time_ms
+        if params.chunk_bytes != self.chunk_bytes:  # never, where the chunk is not tuned
+            self.chunk_bytes = coordinator.next_chunk_bytes = params.chunk_bytes
 
     # ------------------------------------------------------------------ caller side
 
@@ -232,6 +281,9 @@ class EngineCore(abc.ABC):
 
     def _execute(self, response: m.Response) -> None:
         """Run one agreed response on this rank and complete its entries' handles."""
+        if response.chunk_bytes is not None:
+            # Before the membership check: every rank switches at the same response.
+            self.comm.set_chunk_bytes(response.chunk_bytes)
         members = response.members
         if members is not None and self.rank not in members:
             return  # another process set's operation

@@ -97,6 +97,9 @@ class Response:
         data: An allreduce reduced during negotiation: the flat result every member
             copies into its output (see ``Request.payload``); raw bytes once it has
             crossed the wire (the members know its dtype).
+        chunk_bytes: Every rank switches its ring chunk size to this before running the
+            response, members or not (the autotuner's choice; None: unchanged). Chunks
+            must be cut the same on every rank, so this is how all switch together.
     """
 
     kind: str
@@ -110,16 +113,18 @@ class Response:
     result: int | None = None
     data: np.ndarray | bytes | None = dataclasses.field(default=None, compare=False,
                                                         repr=False)
+    chunk_bytes: int | None = None
 
     def __reduce__(self):
         # As Request: the result travels as raw bytes (its dtype is the entries').
         data = self.data.tobytes() if isinstance(self.data, np.ndarray) else self.data
         return _response, (self.kind, self.names, self.error, self.first_dims, self.splits,
-                           self.members, self.joined, self.templates, self.result, data)
+                           self.members, self.joined, self.templates, self.result, data,
+                           self.chunk_bytes)
 
 
 def _response(kind, names, error, first_dims, splits, members, joined, templates, result,
-              data) -> Response:
+              data, chunk_bytes=None) -> Response:
     """Unpickle a Response (see ``Response.__reduce__``)."""
     return Response(kind, names, error, first_dims, splits, members, joined, templates, result,
-                    data)
+                    data, chunk_bytes)

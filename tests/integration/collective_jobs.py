@@ -298,3 +298,57 @@ def half_allreduces(kernels: str) -> dict:
         out[name, "in_place"] = inplace
         out[name, "small"] = hvd.allreduce(x[:40], op=hvd.Average, name=f"h.{name}.small")
     return out
+
+
+def autotune_mid_run(max_steps: int = 400) -> dict:
+    """Train-like steps under HVD_SPARK_AUTOTUNE until rank 0's tuner froze its choice.
+
+    Each step: a fused set of random float32 tensors (one spans several chunks), a
+    broadcast and an allgather; with 3+ ranks also an allreduce in a process set of
+    ranks 0 and 1 (a chunk change riding on it must reach rank 2 too). Returns per step
+    the results' digests and this rank's ring chunk size, and what the tuner logged.
+    """
+    import hashlib
+    import logging
+
+    from hvd_spark.collectives import api
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    tune_log = logging.getLogger("hvd_spark.collectives.autotune")
+    tune_log.addHandler(Keep())
+    tune_log.setLevel(logging.INFO)
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    pair = hvd.add_process_set([0, 1]) if n >= 3 else None
+    engine = api._engine
+    shapes = [(700_000,), (3, 1000), (17,), (120_000,), (5,)]  # 2.8 MB down to 20 B
+    digests, pair_digests, chunks, worst = [], [], [], 0.0
+    done, step = False, 0
+    while not done and step < max_steps:
+        rngs = [np.random.default_rng(1000 * step + q) for q in range(n)]
+        inputs = [[g.standard_normal(s, np.float32) for s in shapes] for g in rngs]
+        handles = [hvd.allreduce_async(x, name=f"t{i}", op=hvd.Sum)
+                   for i, x in enumerate(inputs[r])]
+        sums = [hvd.synchronize(h) for h in handles]
+        for i, got in enumerate(sums):
+            want = np.sum([inputs[q][i] for q in range(n)], axis=0, dtype=np.float64)
+            worst = max(worst, float(np.max(np.abs(got - want))))
+        sums.append(hvd.broadcast(inputs[r][0], root_rank=step % n, name="bc"))
+        sums.append(hvd.allgather(inputs[r][3], name="ag"))
+        digests.append(hashlib.sha256(b"".join(s.tobytes() for s in sums)).hexdigest())
+        if pair is not None and r in (0, 1):
+            got = hvd.allreduce(inputs[r][0], op=hvd.Sum, name="pair", process_set=pair)
+            pair_digests.append(hashlib.sha256(got.tobytes()).hexdigest())
+        chunks.append(getattr(engine.comm, "chunk_bytes", None))
+        done = hvd.broadcast_object(not engine.autotuning, 0, name="tuned")
+        step += 1
+    choice = engine.autotune_choice
+    return {"digests": digests, "pair_digests": pair_digests, "chunks": chunks,
+            "worst_error": worst, "steps": step, "done": done, "messages": messages,
+            "engine": type(engine).__name__,
+            "choice": None if choice is None else choice.describe()}

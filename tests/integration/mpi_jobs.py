@@ -123,5 +123,24 @@ def sub_communicators() -> None:
     print(f"OK sub_communicators size {sub.Get_size()}", flush=True)
 
 
+def autotune() -> None:
+    """HVD_SPARK_AUTOTUNE under MPI: fusion and cycle time are tuned, the chunk is not
+    (MPI cuts its own messages); results stay exact and equal on every rank."""
+    import hashlib
+
+    from tests.integration.collective_jobs import autotune_mid_run
+
+    out = autotune_mid_run()
+    assert out["done"] and out["worst_error"] < 1e-3, out
+    assert out["engine"] == "MpiEngine" and set(out["chunks"]) == {None}
+    if hvd.rank() == 0:
+        assert "tuning fusion_threshold, cycle_time_ms from" in out["messages"][0], out
+        assert "chunk_bytes" not in out["messages"][0].split(" from ")[0]
+        print(f"CHOICE {out['choice']}", flush=True)
+    digest = hashlib.sha256("".join(out["digests"]).encode()).hexdigest()[:16]
+    hvd.shutdown()
+    print(f"OK autotune {out['steps']} steps {digest}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

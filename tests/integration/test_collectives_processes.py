@@ -391,3 +391,41 @@ def test_missing_rank_warns_then_times_out(tmp_path):
     raised = [ln for ln in proc.stdout.splitlines() if "RAISED" in ln]
     assert raised and "ranks [1] did not submit it within 3.0 s" in raised[0]
     assert float(raised[0].split()[2]) < 6
+
+
+_FAST_AUTOTUNE = {"HVD_SPARK_AUTOTUNE": "1", "HVD_SPARK_AUTOTUNE_WARMUP_SAMPLES": "1",
+                  "HVD_SPARK_AUTOTUNE_STEPS_PER_SAMPLE": "1", "HVD_SPARK_AUTOTUNE_SAMPLES": "1"}
+
+
+@pytest.mark.parametrize("num_proc,shm", [(2, True), (3, True), (3, False)])
+def test_autotune_switches_chunk_mid_run_results_stay_exact(tmp_path, num_proc, shm):
+    log_path = tmp_path / "autotune.csv"
+    env = {**_FAST_AUTOTUNE, "HOROVOD_AUTOTUNE_LOG": str(log_path),
+           "HVD_SPARK_DISABLE_SHM": "" if shm else "1"}
+    results = run_local(jobs.autotune_mid_run, num_proc=num_proc, env=env)
+    first = results[0]
+    assert first["done"], "the tuner never froze its choice"
+    for out in results:
+        assert out["worst_error"] < 1e-3
+        assert out["digests"] == first["digests"]  # bitwise equal on every rank
+        assert out["chunks"] == first["chunks"]  # every rank switched at the same step
+    if num_proc >= 3:  # ranks 0 and 1 also ran a process set's allreduce every step
+        assert results[1]["pair_digests"] == first["pair_digests"] != []
+    # The climb always tries a larger chunk first: the ring chunk did change mid-run.
+    assert len(set(first["chunks"])) >= 2, first["chunks"]
+    assert any(m.startswith("autotune chose") or m.startswith("autotune kept")
+               for m in first["messages"]), first["messages"]
+    assert first["choice"] is not None and first["choice"] in first["messages"][-1]
+    assert not any(out["messages"] for out in results[1:])  # rank 0 alone tunes
+    rows = log_path.read_text().splitlines()
+    assert rows[0].startswith("fusion_threshold_bytes,") and rows[-1].endswith(",chosen")
+    assert len(rows) >= 4
+
+
+def test_autotune_leaves_user_set_values_alone():
+    env = {**_FAST_AUTOTUNE, "HVD_SPARK_CHUNK_BYTES": str(1 << 20),
+           "HOROVOD_FUSION_THRESHOLD": str(32 << 20)}
+    results = run_local(jobs.autotune_mid_run, num_proc=2, env=env)
+    assert all(set(out["chunks"]) == {1 << 20} for out in results)
+    assert "tuning cycle_time_ms from" in results[0]["messages"][0]
+    assert "fusion_threshold=32 MiB" in results[0]["choice"]

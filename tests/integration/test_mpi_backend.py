@@ -79,3 +79,14 @@ def test_init_with_an_mpi_sub_communicator():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK sub_communicators size 2") == 2
     assert proc.stdout.count("OK sub_communicators size 1") == 1
+
+
+def test_autotune_tunes_fusion_and_cycle_time_under_mpi():
+    proc = _hvdrun_mpi(2, "autotune", HVD_SPARK_AUTOTUNE="1",
+                       HVD_SPARK_AUTOTUNE_WARMUP_SAMPLES="1",
+                       HVD_SPARK_AUTOTUNE_STEPS_PER_SAMPLE="1", HVD_SPARK_AUTOTUNE_SAMPLES="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    oks = [line.split("OK autotune ")[1] for line in proc.stdout.splitlines()
+           if "OK autotune " in line]
+    assert len(oks) == 2 and oks[0] == oks[1], proc.stdout  # same steps, same bits
+    assert "CHOICE fusion_threshold=" in proc.stdout

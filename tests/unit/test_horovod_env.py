@@ -38,7 +38,9 @@ def test_honoured_launcher_and_build_variables_are_not_reported():
         "HOROVOD_WITHOUT_MPI": "1", "HOROVOD_NCCL_HOME": "/usr",
         # Flags asking for what hvd_spark does anyway, and the one controller it has.
         "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_HIERARCHICAL_ALLGATHER": "0",
-        "HOROVOD_AUTOTUNE": "0",
+        "HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "/tmp/a.csv",
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "3", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "10",
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "20",
         "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "GLOO",
         "HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_TIMEOUT": "60",
         "PATH": "/bin",
@@ -48,15 +50,15 @@ def test_honoured_launcher_and_build_variables_are_not_reported():
 
 def test_settings_that_cannot_be_honoured_are_reported_with_why():
     environ = {
-        "HOROVOD_HIERARCHICAL_ALLGATHER": "1", "HOROVOD_AUTOTUNE": "1",
-        "HOROVOD_AUTOTUNE_LOG": "/tmp/a.csv", "HOROVOD_CPU_OPERATIONS": "ccl",
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "1",
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.8", "HOROVOD_CPU_OPERATIONS": "ccl",
         "HOROVOD_THREAD_AFFINITY": "0,1",
         "HOROVOD_FUSION_THRESHOL": "1",  # a typo
     }
     found = _env.unsupported_horovod_vars(environ)
     assert sorted(found) == sorted(environ)
     assert "hierarchical" in found["HOROVOD_HIERARCHICAL_ALLGATHER"]
-    assert "autotuning" in found["HOROVOD_AUTOTUNE_LOG"]
+    assert "Bayesian" in found["HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"]
     assert "typo" in found["HOROVOD_FUSION_THRESHOL"]
 
 
@@ -88,11 +90,11 @@ def test_warning_reaches_stderr_of_a_real_process():
     code = ("import logging; logging.basicConfig()\n"
             "from hvd_spark import _env\n"
             "_env.warn_unsupported_horovod_vars(); _env.warn_unsupported_horovod_vars()\n")
-    env = {**os.environ, "HOROVOD_AUTOTUNE": "1"}
+    env = {**os.environ, "HOROVOD_TORUS_ALLREDUCE": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if "HOROVOD_AUTOTUNE" in ln]
+    lines = [ln for ln in proc.stderr.splitlines() if "HOROVOD_TORUS_ALLREDUCE" in ln]
     assert len(lines) == 1 and lines[0].startswith("WARNING:hvd_spark:")
 
 

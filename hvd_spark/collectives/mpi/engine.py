@@ -60,6 +60,7 @@ class MpiEngine(EngineCore):
         self._negotiation = negotiation
         self._coordinator = (Coordinator(self.size, config.fusion_threshold, self.eager_bytes)
                              if self.rank == 0 else None)
+        self._start_autotune(self._coordinator)  # fusion and cycle time; MPI has no chunk
         self._tick = max(config.cycle_time_ms / 1000.0, _MIN_TICK_S)
         self._wakeup = threading.Event()
         self._bye_since: dict[int, float] = {}  # rank 0: who said goodbye, when
@@ -225,10 +226,12 @@ class MpiEngine(EngineCore):
             # Others are half-submitted: linger up to the cycle time so they fuse with these.
             if self._first_ready is None:
                 self._first_ready = now
-            if now - self._first_ready < self.config.cycle_time_ms / 1000.0:
+            if now - self._first_ready < self.cycle_time_ms / 1000.0:
                 return []
         self._first_ready = None
-        return coord.take_responses()
+        responses = coord.take_responses()
+        self._taken(coord, responses)
+        return responses
 
     def _stop(self, reason: str) -> None:
         """Every rank stops in the same cycle; a rank still working learns why."""

@@ -15,8 +15,17 @@ from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.tcp import ring
 from hvd_spark.collectives.tcp.links import Link, TcpLink
 from hvd_spark.collectives.tcp.shm import job_tag, negotiate_shm
+from hvd_spark.errors import CollectiveError
 
 log = logging.getLogger(__name__)
+
+
+class _RingSettings:
+    """What a communicator and its process-set views share: the chunk size they cut
+    buffers by, which the engine may change between operations (autotune)."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
 
 
 class TcpCommunicator(Communicator):
@@ -25,8 +34,11 @@ class TcpCommunicator(Communicator):
     Args:
         rank, size: This rank and the world size.
         data_socks: Peer rank -> authenticated data socket, for every other rank.
-        chunk_bytes: Pipelining chunk (and shared-memory slot) size.
+        chunk_bytes: Pipelining chunk size (``set_chunk_bytes`` changes it later).
         use_shm: Try shared memory with the ring neighbours.
+        shm_tag: Names the job's shared-memory files (``job_tag``).
+        slot_bytes: Shared-memory slot size (default ``chunk_bytes``): the largest chunk
+            the communicator can ever use, since slots are sized once.
     """
 
     name = "tcp"
@@ -39,9 +51,11 @@ class TcpCommunicator(Communicator):
         chunk_bytes: int,
         use_shm: bool = True,
         shm_tag: str = "job",
+        slot_bytes: int | None = None,
     ) -> None:
         self.rank, self.size = rank, size
-        self.chunk_bytes = chunk_bytes
+        self.slot_bytes = max(chunk_bytes, slot_bytes or 0)
+        self._ring = _RingSettings(chunk_bytes)
         self.links: dict[int, Link] = {}
         self.left_rank = (rank - 1) % size
         self.right_rank = (rank + 1) % size
@@ -50,7 +64,7 @@ class TcpCommunicator(Communicator):
         for peer in sorted(data_socks):
             sock = data_socks[peer]
             shm = use_shm and peer in neighbours
-            link = negotiate_shm(sock, peer, chunk_bytes, tag=shm_tag) if shm else None
+            link = negotiate_shm(sock, peer, self.slot_bytes, tag=shm_tag) if shm else None
             self.links[peer] = link if link is not None else TcpLink(sock, peer)
         self.shm_peers = sorted(p for p, ln in self.links.items() if not isinstance(ln, TcpLink))
         # With one rank there are no neighbours; every algorithm returns before using them.
@@ -61,7 +75,7 @@ class TcpCommunicator(Communicator):
         """A ring among ``members`` over this communicator's links (no new connections)."""
         sub = TcpCommunicator.__new__(TcpCommunicator)
         sub.rank, sub.size = list(members).index(self.rank), len(members)
-        sub.chunk_bytes = self.chunk_bytes
+        sub.slot_bytes, sub._ring = self.slot_bytes, self._ring  # one chunk size for all views
         sub.links = {i: self.links[g] for i, g in enumerate(members) if g != self.rank}
         sub.left_rank = (sub.rank - 1) % sub.size
         sub.right_rank = (sub.rank + 1) % sub.size
@@ -71,12 +85,33 @@ class TcpCommunicator(Communicator):
         sub._owns_links = False
         return sub
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per pipelined chunk (the same on every rank: chunks are cut identically)."""
+        return self._ring.chunk_bytes
+
+    def set_chunk_bytes(self, chunk_bytes: int) -> None:
+        """Cut buffers into chunks of ``chunk_bytes`` from the next operation on.
+
+        Every rank must switch at the same point of the operation order (the engine
+        does it at the response that carries the new size); process-set views follow.
+
+        Raises:
+            CollectiveError: The chunk would not fit a shared-memory slot.
+        """
+        if chunk_bytes < 4096 or (self.shm_peers and chunk_bytes > self.slot_bytes):
+            raise CollectiveError(
+                f"ring chunk of {chunk_bytes} bytes on rank {self.rank}: it must be at least "
+                f"4096 and fit the {self.slot_bytes}-byte shared-memory slots")
+        self._ring.chunk_bytes = chunk_bytes
+
     #: ``allreduce`` takes ``source=``: out of place without copying the input first.
     reads_source = True
     finishes_segments = True
 
     def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp,
-                  source: SegmentedBuffer | None = None, finish=None) -> None:
+                  source: SegmentedBuffer | None = None,
+                  finish: Callable[[list[np.ndarray]], None] | None = None) -> None:
         ring.allreduce(buf, op, self.rank, self.size, self.left, self.right, self.chunk_bytes,
                        source, finish)
 
@@ -135,7 +170,7 @@ def create(world, config, data_socks: dict[int, socket.socket]) -> Communicator:
     from hvd_spark.collectives.tcp.hierarchical import maybe_hierarchical
 
     flat = TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm,
-                           shm_tag=job_tag(world.secret))
+                           shm_tag=job_tag(world.secret), slot_bytes=config.slot_bytes)
     setting = _env.get_str(_env.HIERARCHICAL_ALLREDUCE)
     return maybe_hierarchical(flat, world, None if setting is None else _env.is_true(setting),
                               config.use_shm, job_tag(world.secret))

@@ -174,6 +174,10 @@ class HierarchicalCommunicator(Communicator):
     def subset(self, members: Sequence[int]) -> Communicator:
         return self.flat.subset(members)
 
+    def set_chunk_bytes(self, chunk_bytes: int) -> None:
+        """The flat ring's (its host and cross views share it)."""
+        self.flat.set_chunk_bytes(chunk_bytes)
+
     def abort(self) -> None:
         self.flat.abort()
 
@@ -200,7 +204,7 @@ def share_memory_on_wrap(flat: TcpCommunicator, local_size: int, shm_tag: str) -
     link = flat.links[peer]
     if not isinstance(link, TcpLink):
         return
-    shm = negotiate_shm(link.sock, peer, flat.chunk_bytes, tag=shm_tag)
+    shm = negotiate_shm(link.sock, peer, flat.slot_bytes, tag=shm_tag)
     if shm is not None:
         flat.links[peer] = shm
         flat.shm_peers = sorted({*flat.shm_peers, peer})
