@@ -21,9 +21,8 @@ from hvd_spark.collectives.ops import (
     ReduceOp,
     check_dtype,
     check_reduction,
-    finish_average,
+    finish_reduction,
     reduce_into,
-    scale_in_place,
 )
 from hvd_spark.errors import CollectiveError
 
@@ -161,9 +160,7 @@ def eager_result(group: list[dict[int, Request]]) -> np.ndarray | None:
     out = np.array(rows[0], copy=True) if len(per_rank[0]) == 1 else rows[0]
     for row in rows[1:]:
         reduce_into(out, row, op)
-    if op == ReduceOp.Average:
-        finish_average(out, len(ranks))
-    scale_in_place(out, first.postscale)
+    finish_reduction(out, op, first.postscale, len(ranks))
     return out
 
 

@@ -67,6 +67,37 @@ class CommunicatorContract:
             for p in pieces:
                 assert (p == want).all()
 
+    @pytest.mark.parametrize("n", [1, 7, 300_001])
+    def test_allreduce_finish_runs_once_per_element(self, comms, n):
+        """Backends that take ``finish=`` finish every element once, on one rank, and
+        every rank receives the finished bits; the others finish nothing."""
+        calls = [0] * self.size
+
+        def body(c):
+            pieces = [np.arange(n, dtype=np.float32) * (c.rank + 1), np.ones(5, np.float32)]
+
+            def finish(views):
+                for view in views:
+                    calls[c.rank] += view.size
+                    view *= np.float32(0.5)
+
+            if c.finishes_segments:
+                c.allreduce(SegmentedBuffer(pieces), ops.Sum, finish=finish)
+            else:
+                c.allreduce(SegmentedBuffer(pieces), ops.Sum)
+                finish([p for p in pieces])
+            return pieces
+
+        total = sum(range(1, self.size + 1))
+        outs = run_parallel(comms, body)
+        if comms[0].finishes_segments:
+            assert sum(calls) == n + 5
+        for big, small in outs:
+            np.testing.assert_allclose(big, np.arange(n, dtype=np.float32) * total * 0.5,
+                                       rtol=1e-6)
+            assert (small == self.size * 0.5).all()
+            assert big.tobytes() == outs[0][0].tobytes()
+
     def test_reducescatter_counts(self, comms):
         counts = even_counts(11, self.size)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -84,19 +84,24 @@ class HierarchicalCommunicator(Communicator):
         self.local = flat.subset([host * local_size + k for k in range(local_size)])
         self.cross = flat.subset([h * local_size + self.local_rank for h in range(cross_size)])
 
-    def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp) -> None:
+    finishes_segments = True
+
+    def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp,
+                  finish: Callable[[list[np.ndarray]], None] | None = None) -> None:
+        """In place; ``finish`` runs once per element, in the cross-host ring that
+        completes it (see ``Communicator.allreduce``)."""
         if op not in _ELEMENTWISE or buf.size < self.local_size:
-            self.flat.allreduce(buf, op)
+            self.flat.allreduce(buf, op, finish=finish)
             return
         step = max(self.local_size, PIPELINE_BLOCK_BYTES // buf.itemsize)
         blocks = [SegmentedBuffer(buf.views(lo, min(buf.size, lo + step)))
                   for lo in range(0, buf.size, step)]
         if len(blocks) == 1:
             self._reduce_scatter(blocks[0], op)
-            self.cross.allreduce(self._my_slice(blocks[0]), op)
+            self.cross.allreduce(self._my_slice(blocks[0]), op, finish=finish)
             self.local.allgather(blocks[0], even_counts(blocks[0].size, self.local_size))
         else:
-            self._pipelined(blocks, op)
+            self._pipelined(blocks, op, finish)
 
     def _reduce_scatter(self, block: SegmentedBuffer, op: ops.ReduceOp) -> None:
         self.local.reducescatter(block, op, even_counts(block.size, self.local_size))
@@ -106,7 +111,8 @@ class HierarchicalCommunicator(Communicator):
         start = sum(counts[: self.local_rank])
         return SegmentedBuffer(block.views(start, start + counts[self.local_rank]))
 
-    def _pipelined(self, blocks: list[SegmentedBuffer], op: ops.ReduceOp) -> None:
+    def _pipelined(self, blocks: list[SegmentedBuffer], op: ops.ReduceOp,
+                   finish: Callable[[list[np.ndarray]], None] | None = None) -> None:
         """Blocks flow through the phases: while the network reduces block k, this thread
         reduce-scatters block k+1 and all-gathers block k-1 over shared memory.
 
@@ -119,7 +125,7 @@ class HierarchicalCommunicator(Communicator):
         def cross_loop() -> None:
             while (k := ready.get()) is not None:
                 try:
-                    self.cross.allreduce(self._my_slice(blocks[k]), op)
+                    self.cross.allreduce(self._my_slice(blocks[k]), op, finish=finish)
                 except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
                     done.put((k, exc))
                     return
