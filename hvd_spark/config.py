@@ -21,6 +21,7 @@ DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 # Allreduces up to this size travel with their negotiation messages (see EngineConfig).
 DEFAULT_EAGER_BYTES = 64 * 1024
+DEFAULT_OUTPUT_POOL_BYTES = 512 * 1024 * 1024
 DEFAULT_STALL_WARNING_S = 60.0
 TIMELINE_DYNAMIC = "DYNAMIC"  # HOROVOD_TIMELINE's value for "no file yet: start_timeline() later"
 # Horovod's autotuning defaults (samples per candidate is its fixed SAMPLES).
@@ -126,6 +127,7 @@ class EngineConfig:
     timeline_mark_cycles: bool = False
     timeline_dynamic: bool = False
     eager_bytes: int = DEFAULT_EAGER_BYTES
+    output_pool_bytes: int = DEFAULT_OUTPUT_POOL_BYTES
     autotune: AutotuneConfig | None = None
 
     @property
@@ -150,6 +152,9 @@ class EngineConfig:
         if self.eager_bytes < 0:
             raise ConfigError(f"{_env.EAGER_BYTES} must be >= 0 bytes (0: off), "
                               f"got {self.eager_bytes}")
+        if self.output_pool_bytes < 0:
+            raise ConfigError(f"{_env.OUTPUT_POOL_BYTES} must be >= 0 bytes (0: off), "
+                              f"got {self.output_pool_bytes}")
         if self.chunk_bytes < 4096:
             raise ConfigError(f"{_env.CHUNK_BYTES} must be at least 4096, got {self.chunk_bytes}")
         if not self.stall_warning > 0:
@@ -184,6 +189,7 @@ class EngineConfig:
             timeline_mark_cycles=_env.get_bool(_env.TIMELINE_MARK_CYCLES),
             timeline_dynamic=dynamic,
             eager_bytes=_env.get_int(_env.EAGER_BYTES, DEFAULT_EAGER_BYTES),
+            output_pool_bytes=_env.get_int(_env.OUTPUT_POOL_BYTES, DEFAULT_OUTPUT_POOL_BYTES),
             autotune=AutotuneConfig.from_env(),
         )
 

@@ -73,6 +73,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         if _engine is not None:
             return
         config = EngineConfig.from_env()
+        OUTPUTS.max_idle_bytes = config.output_pool_bytes
         _env.apply_log_level()
         _env.warn_unsupported_horovod_vars()  # one log line naming what cannot be honoured
         backend = _env.get_str(_env.BACKEND, "auto") or "auto"

@@ -101,6 +101,7 @@ class OutputPool:
     """
 
     def __init__(self, min_bytes: int = 1 << 20, max_idle_bytes: int = 512 << 20) -> None:
+        # ``init()`` sets max_idle_bytes from HVD_SPARK_OUTPUT_POOL_BYTES.
         self.min_bytes = min_bytes
         self.max_idle_bytes = max_idle_bytes
         self._idle: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
@@ -136,7 +137,8 @@ class OutputPool:
             raw = np.empty(key + ALIGN_BYTES, np.uint8)
         address = raw.ctypes.data + (-raw.ctypes.data) % ALIGN_BYTES
         owner = (ctypes.c_uint8 * nbytes).from_address(address)
-        weakref.finalize(owner, self._returned.append, (key, raw))
+        # Not at exit: the block is freed with the process anyway.
+        weakref.finalize(owner, self._returned.append, (key, raw)).atexit = False
         return np.frombuffer(owner, dtype).reshape(shape)
 
     def _take_returned(self) -> None:

@@ -195,7 +195,7 @@ def pooled_outputs_across_steps() -> dict:
     return {"kept": [k[[0, -1]].tolist() for k in kept], "kept_whole": kept,
             "views": [v[[0, -1]].tolist() for v in views], "reused": reused,
             "gathers": [(g[0, 0], g[-1, 0]) for g in gathers],
-            "idle": OUTPUTS.idle_bytes}
+            "idle": OUTPUTS.idle_bytes, "limit": OUTPUTS.max_idle_bytes}
 
 
 def batches_that_differ_by_rank() -> dict:

@@ -209,6 +209,17 @@ def test_pooled_outputs_are_reused_only_once_dropped():
         assert out["gathers"] == [(float(step), float(step + 1)) for step in range(6)]
         # Odd steps drop their output at once (except step 3's view): its pages come back.
         assert out["reused"] >= 2, out["reused"]
+        assert out["limit"] == 512 << 20
+
+
+def test_output_pool_off_reuses_nothing_and_results_stay_right():
+    n = 2
+    outs = run_local(jobs.pooled_outputs_across_steps, num_proc=n,
+                     env={"HVD_SPARK_OUTPUT_POOL_BYTES": "0"})
+    for out in outs:
+        assert out["limit"] == 0 and out["idle"] == 0
+        sums = [float(sum(step + k for k in range(n))) for step in range(6)]
+        assert out["kept"] == [[sums[s]] * 2 for s in (0, 2, 4)]
 
 
 def test_batched_in_place_allreduce_matches_by_name_across_different_batches():
