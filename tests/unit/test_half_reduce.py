@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hvd_spark.collectives import ops
+from hvd_spark.torch import half_kernels
 
 # Overflow and inf - inf warn as they do for float32; the values are what is tested.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -32,7 +33,6 @@ SIZES = [0, 1, 7, C - 1, C, 2 * C + 3, (1 << 15) + 1]
 def kernels(request):
     """Runs the test with numpy's kernels, then with torch's registered."""
     if request.param == "torch":
-        half_kernels = pytest.importorskip("hvd_spark.torch.half_kernels")
         previous = ops.register_half_kernels(half_kernels.KERNELS)
     else:
         previous = ops.register_half_kernels(None)
@@ -178,7 +178,6 @@ def test_zero_d_scale_and_empty(kernels):
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_torch_kernels_match_numpy_bitwise(dtype):
-    half_kernels = pytest.importorskip("hvd_spark.torch.half_kernels")
     a, b = _pairs(dtype, 5 * C + 11, seed=42)
     results = {}
     for name, k in (("numpy", None), ("torch", half_kernels.KERNELS)):
@@ -232,7 +231,6 @@ def test_a_kernel_may_decline_and_numpy_takes_over():
 
 
 def test_importing_the_torch_binding_registers_its_kernels():
-    pytest.importorskip("torch")
     code = ("from hvd_spark.collectives import ops; a = ops.half_kernels_name(); "
             "import hvd_spark.torch; print(a, ops.half_kernels_name())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

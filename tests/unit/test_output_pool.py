@@ -4,7 +4,7 @@ import gc
 import threading
 
 import numpy as np
-import pytest
+import torch
 
 from hvd_spark.collectives.buffers import ALIGN_BYTES, OutputPool
 
@@ -43,7 +43,6 @@ def test_a_block_stays_taken_while_any_view_of_it_lives():
 
 
 def test_a_torch_tensor_made_from_an_output_keeps_its_block():
-    torch = pytest.importorskip("torch")
     pool = OutputPool(min_bytes=MB)
     out = pool.empty((MB // 4,), np.float32)
     out[:] = 3.0
