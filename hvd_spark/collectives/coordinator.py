@@ -321,8 +321,8 @@ class Coordinator:
         self.taken_bytes = 0
         for name, response in self._ready.items():
             request = self._requests.pop(name, None)
-            if request is not None:
-                self.taken_bytes += request.nbytes
+            nbytes = request.nbytes if request is not None else 0
+            self.taken_bytes += nbytes
             if (response.kind != m.ALLREDUCE or response.error or request is None
                     or response.joined or request.op == ReduceOp.Adasum):
                 out.append(response)
@@ -330,7 +330,6 @@ class Coordinator:
                 continue
             key = (request.dtype, request.device, request.op, request.prescale, request.postscale,
                    request.members)
-            nbytes = request.nbytes
             index = open_groups.get(key)
             if index is not None and sizes[index] + nbytes <= self.fusion_threshold:
                 out[index] = Response(m.ALLREDUCE, out[index].names + (name,),
