@@ -40,6 +40,7 @@ START_TIMEOUT = "HVD_SPARK_START_TIMEOUT"
 FUSION_THRESHOLD = "HVD_SPARK_FUSION_THRESHOLD"
 CYCLE_TIME = "HVD_SPARK_CYCLE_TIME"
 EAGER_BYTES = "HVD_SPARK_EAGER_BYTES"
+SPIN_US = "HVD_SPARK_SPIN_US"
 OUTPUT_POOL_BYTES = "HVD_SPARK_OUTPUT_POOL_BYTES"
 CHUNK_BYTES = "HVD_SPARK_CHUNK_BYTES"
 DISABLE_SHM = "HVD_SPARK_DISABLE_SHM"
@@ -174,7 +175,7 @@ def get_int(name: str, default: int) -> int:
         raise ConfigError(f"{var}={value!r} is not an integer") from None
 
 
-def get_float(name: str, default: float) -> float:
+def get_float(name: str, default: float | None) -> float | None:
     """Return the variable as a float, with a ConfigError naming it when it does not parse."""
     found = lookup(name)
     if found is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import secrets
 import socket
 
@@ -22,6 +23,9 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 # Allreduces up to this size travel with their negotiation messages (see EngineConfig).
 DEFAULT_EAGER_BYTES = 64 * 1024
 DEFAULT_OUTPUT_POOL_BYTES = 512 * 1024 * 1024
+# A rank waiting for its operation polls this long before it sleeps in the kernel: a
+# wake-up from a sleep costs 50-140 us on a VM, a poll a microsecond or two.
+DEFAULT_SPIN_US = 1000.0
 DEFAULT_STALL_WARNING_S = 60.0
 TIMELINE_DYNAMIC = "DYNAMIC"  # HOROVOD_TIMELINE's value for "no file yet: start_timeline() later"
 # Horovod's autotuning defaults (samples per candidate is its fixed SAMPLES).
@@ -114,6 +118,10 @@ class EngineConfig:
             allreduce costs one round trip instead of a round trip plus a ring (0: off).
         autotune: Tune fusion threshold, cycle time and chunk size on rank 0 from measured
             throughput (None: off).
+        spin_us: Microseconds a thread waiting for its operation polls its sockets before
+            it blocks (0: block at once). None: ``DEFAULT_SPIN_US`` unless this host has
+            more ranks than CPUs, where a spinning rank would take a CPU from the rank it
+            waits for (see ``spin_seconds``).
     """
 
     timeout: float = DEFAULT_TIMEOUT_S
@@ -129,6 +137,18 @@ class EngineConfig:
     eager_bytes: int = DEFAULT_EAGER_BYTES
     output_pool_bytes: int = DEFAULT_OUTPUT_POOL_BYTES
     autotune: AutotuneConfig | None = None
+    spin_us: float | None = None
+
+    def spin_seconds(self, local_ranks: int) -> float:
+        """How long a waiting caller polls before blocking, with ``local_ranks`` ranks on
+        this host: the setting, else the default where every rank has a CPU, else 0."""
+        if self.spin_us is not None:
+            return self.spin_us / 1e6
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        return DEFAULT_SPIN_US / 1e6 if local_ranks <= cpus else 0.0
 
     @property
     def slot_bytes(self) -> int:
@@ -155,6 +175,9 @@ class EngineConfig:
         if self.output_pool_bytes < 0:
             raise ConfigError(f"{_env.OUTPUT_POOL_BYTES} must be >= 0 bytes (0: off), "
                               f"got {self.output_pool_bytes}")
+        if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
+            raise ConfigError(f"{_env.SPIN_US} must be 0..1000000 microseconds (0: never "
+                              f"spin), got {self.spin_us}")
         if self.chunk_bytes < 4096:
             raise ConfigError(f"{_env.CHUNK_BYTES} must be at least 4096, got {self.chunk_bytes}")
         if not self.stall_warning > 0:
@@ -191,6 +214,7 @@ class EngineConfig:
             eager_bytes=_env.get_int(_env.EAGER_BYTES, DEFAULT_EAGER_BYTES),
             output_pool_bytes=_env.get_int(_env.OUTPUT_POOL_BYTES, DEFAULT_OUTPUT_POOL_BYTES),
             autotune=AutotuneConfig.from_env(),
+            spin_us=_env.get_float(_env.SPIN_US, None),
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import itertools
 import pickle
 import threading
@@ -111,7 +112,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             try:
                 mesh = build_mesh(
                     world.rank, world.size, store, world.secret, world.hostname,
-                    world.advertise_addr, start_timeout, epoch,
+                    world.advertise_addr, start_timeout, epoch, local_sockets=config.use_shm,
                 )
             finally:
                 store.close()
@@ -119,6 +120,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
                 sock.settimeout(config.timeout)
             comm_, control = factory(world, config, mesh.data), mesh.control
         if own_world is None:
+            # Whether to spin depends on the ranks sharing this host's CPUs.
+            spin_us = config.spin_seconds(world.local_size) * 1e6
+            config = dataclasses.replace(config, spin_us=spin_us)
             _engine = Engine(world.rank, world.size, comm_, control, config)
             hosts = mesh.hosts if world.rendezvous_addr else {0: world.hostname}
         _world = world

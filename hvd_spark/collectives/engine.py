@@ -68,6 +68,9 @@ class Engine(EngineCore):
                              if rank == 0 else None)
         self._start_autotune(self._coordinator)
         self._send_lock = threading.Lock()
+        # A caller waiting for its operation polls this long before sleeping in select
+        # (init() resolves the setting against the ranks on this host).
+        self._spin_s = config.spin_seconds(size)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._bye_from: set[int] = set()
@@ -111,7 +114,7 @@ class Engine(EngineCore):
             self._wake()  # it must leave the control sockets to this caller
 
     def _drive(self, timeout: float) -> None:
-        self._cycle(timeout)
+        self._cycle(timeout, spin=self._spin_s)
 
     def _failed_while_driving(self) -> None:
         self._tell_others(self._failure)
@@ -216,10 +219,22 @@ class Engine(EngineCore):
             except (HvdSparkError, OSError):
                 pass  # that peer is gone too, or stuck: closing tells it anyway
 
-    def _cycle(self, max_wait: float) -> None:
-        """Wait up to ``max_wait`` s for messages, then handle all that arrived."""
+    def _cycle(self, max_wait: float, spin: float = 0.0) -> None:
+        """Wait up to ``max_wait`` s for messages, then handle all that arrived.
+
+        With ``spin`` (a caller waiting for its result), poll that long before sleeping:
+        a small operation's answer usually comes within it, and waking from a sleep costs
+        more than the whole operation does on a VM.
+        """
         timeout = 0.0 if self._queue else min(max_wait, self._next_timeout())
-        readable, _, _ = select.select([self._wake_r, *self._control.values()], [], [], timeout)
+        watched = [self._wake_r, *self._control.values()]
+        readable, _, _ = select.select(watched, [], [], 0.0)
+        if not readable and timeout > 0.0:
+            spin_until = time.monotonic() + min(spin, timeout)
+            while not readable and time.monotonic() < spin_until:
+                readable, _, _ = select.select(watched, [], [], 0.0)
+            if not readable:
+                readable, _, _ = select.select(watched, [], [], timeout)
         new = self._drain_local(self._wake_r in readable)
         tl = timeline.current() if self._coordinator is not None else None
         if tl is not None:

@@ -15,13 +15,15 @@ SECRET = b"contract-secret-0123456789abcdef"
 
 
 def make_tcp(size: int, use_shm: bool, chunk_bytes: int = 64 * 1024) -> list[TcpCommunicator]:
-    """Form a real mesh of ``size`` ranks over loopback, one thread per rank."""
+    """Form a real mesh of ``size`` ranks over loopback, one thread per rank (ranks on
+    one host connect through Unix sockets with shared memory on, TCP without, as in jobs)."""
     server = StoreServer(SECRET)
     comms: list = [None] * size
 
     def body(rank):
         store = StoreClient(("127.0.0.1", server.port), SECRET)
-        mesh = build_mesh(rank, size, store, SECRET, "host", "", timeout=30)
+        mesh = build_mesh(rank, size, store, SECRET, "host", "", timeout=30,
+                          local_sockets=use_shm)
         store.close()
         for sock in mesh.control.values():
             sock.close()  # the contract exercises data paths only
@@ -94,14 +96,19 @@ def test_mesh_drops_intruder_and_still_forms():
         store.close()
 
     def knock():
-        host, port, _ = server.get("mesh/0/0", 20)
-        sock = socket.create_connection((host, port))
+        host, port, _, unix_name = server.get("mesh/0/0", 20)
         try:
-            with pytest.raises(AuthenticationError):
-                wire.authenticate_client(sock, b"wrong-secret-wrong-secret-wrong!")
+            # Both doors: the TCP listener and the Unix socket local ranks dial.
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.connect("\0" + unix_name)
+            for sock in (socket.create_connection((host, port)), unix):
+                try:
+                    with pytest.raises(AuthenticationError):
+                        wire.authenticate_client(sock, b"wrong-secret-wrong-secret-wrong!")
+                finally:
+                    sock.close()
             intruder["rejected"] = True
         finally:
-            sock.close()
             server.set("intruder-done", True)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
@@ -113,7 +120,89 @@ def test_mesh_drops_intruder_and_still_forms():
     server.close()
     assert intruder.get("rejected")
     assert set(meshes) == {0, 1} and 1 in meshes[0].data and 0 in meshes[1].data
-    assert meshes[0].rejected == 1
+    assert meshes[0].rejected == 2  # one at each door
     for m in meshes.values():
         for s in [*m.data.values(), *m.control.values()]:
             s.close()
+
+
+def _form(hostnames: list[str], local_sockets: bool = True) -> dict:
+    server = StoreServer(SECRET)
+    meshes: dict = {}
+
+    def rank(r):
+        store = StoreClient(("127.0.0.1", server.port), SECRET)
+        meshes[r] = build_mesh(r, len(hostnames), store, SECRET, hostnames[r], "", timeout=30,
+                               local_sockets=local_sockets)
+        store.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(hostnames))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    server.close()
+    assert set(meshes) == set(range(len(hostnames))), "mesh formation failed"
+    return meshes
+
+
+def _families(mesh) -> set:
+    return {s.family for s in [*mesh.data.values(), *mesh.control.values()]}
+
+
+def test_local_ranks_connect_through_unix_sockets_remote_ones_over_tcp():
+    """Ranks reporting one hostname share Unix sockets; another host's rank gets TCP."""
+    import socket
+
+    meshes = _form(["a", "a", "b"])
+    assert meshes[0].data[1].family == socket.AF_UNIX
+    assert meshes[0].control[1].family == socket.AF_UNIX
+    assert meshes[1].control[0].family == socket.AF_UNIX
+    assert meshes[2].data[0].family == socket.AF_INET
+    assert meshes[2].data[1].family == socket.AF_INET
+    assert meshes[2].control[0].family == socket.AF_INET
+    # Frames cross a Unix control socket as they cross TCP.
+    from hvd_spark.collectives.tcp import wire
+
+    wire.send_obj(meshes[1].control[0], ("req", [1, 2]), "rank 0")
+    assert wire.recv_obj(meshes[0].control[1], "rank 1") == ("req", [1, 2])
+    for mesh in meshes.values():
+        for sock in [*mesh.data.values(), *mesh.control.values()]:
+            sock.close()
+
+
+def test_without_local_sockets_every_connection_is_tcp():
+    """Shared memory off (what crossing hosts measures): loopback TCP throughout."""
+    import socket
+
+    meshes = _form(["a", "a"], local_sockets=False)
+    assert _families(meshes[0]) == _families(meshes[1]) == {socket.AF_INET}
+    for mesh in meshes.values():
+        for sock in [*mesh.data.values(), *mesh.control.values()]:
+            sock.close()
+
+
+def test_dial_falls_back_to_tcp_when_the_unix_socket_is_unreachable():
+    """Same hostname but another network namespace: the Unix name is not there; TCP is."""
+    import socket
+
+    from hvd_spark.collectives.tcp import mesh as mesh_mod
+    from hvd_spark.collectives.tcp import wire
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: dict = {}
+
+    def serve():
+        conn, _ = listener.accept()
+        wire.authenticate_server(conn, SECRET)
+        accepted["conn"] = conn
+
+    server = threading.Thread(target=serve)
+    server.start()
+    info = ("127.0.0.1", listener.getsockname()[1], "host", "hvd_spark.nobody-listens-here")
+    sock = mesh_mod._dial("data", 0, info, "host", SECRET, 10.0)
+    server.join(10)
+    listener.close()
+    assert sock.family == socket.AF_INET and "conn" in accepted
+    sock.close()
+    accepted["conn"].close()

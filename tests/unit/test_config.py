@@ -95,6 +95,8 @@ def test_start_timeout_from_horovod(monkeypatch):
     ("HVD_SPARK_TIMEOUT", "soon", "HVD_SPARK_TIMEOUT"),
     ("HVD_SPARK_CHUNK_BYTES", "12", "HVD_SPARK_CHUNK_BYTES"),
     ("HVD_SPARK_OUTPUT_POOL_BYTES", "-1", "HVD_SPARK_OUTPUT_POOL_BYTES"),
+    ("HVD_SPARK_SPIN_US", "-1", "HVD_SPARK_SPIN_US"),
+    ("HVD_SPARK_SPIN_US", "often", "HVD_SPARK_SPIN_US"),
     ("HOROVOD_GLOO_TIMEOUT_SECONDS", "0", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
     ("HOROVOD_FUSION_THRESHOLD", "-5", "HOROVOD_FUSION_THRESHOLD"),
     ("HOROVOD_FUSION_THRESHOLD", "64MB", "HOROVOD_FUSION_THRESHOLD"),
@@ -107,6 +109,21 @@ def test_bad_engine_values_named(monkeypatch, var, value, needle):
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=needle):
         EngineConfig.from_env()
+
+
+def test_spin_is_set_or_follows_the_cpus(monkeypatch):
+    """Waiting callers poll before sleeping unless this host has more ranks than CPUs."""
+    from hvd_spark.config import DEFAULT_SPIN_US
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    auto = EngineConfig.from_env()
+    assert auto.spin_us is None
+    assert auto.spin_seconds(2) == DEFAULT_SPIN_US / 1e6
+    assert auto.spin_seconds(3) == 0.0  # oversubscribed: a spinner steals its peer's CPU
+    monkeypatch.setenv("HVD_SPARK_SPIN_US", "250")
+    assert EngineConfig.from_env().spin_seconds(8) == pytest.approx(250e-6)
+    monkeypatch.setenv("HVD_SPARK_SPIN_US", "0")
+    assert EngineConfig.from_env().spin_seconds(1) == 0.0
 
 
 def test_world_info_partial_launcher_env_names_the_missing_one(monkeypatch):

@@ -119,7 +119,8 @@ def authenticate_server(sock: socket.socket, secret: bytes) -> None:
 
 def tune(sock: socket.socket) -> None:
     """Low latency and large buffers for collective traffic."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != getattr(socket, "AF_UNIX", None):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
@@ -146,6 +147,22 @@ def connect(
             delay = min(delay * 2, 0.5)
     tune(sock)
     try:
+        authenticate_client(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(timeout)
+    return sock
+
+
+def connect_unix(name: str, secret: bytes, timeout: float, what: str = "server") -> socket.socket:
+    """Dial the Unix socket ``name`` (Linux abstract namespace) of a rank on this host,
+    authenticate as over TCP, and return it; raises OSError when nobody listens there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect("\0" + name)
+        tune(sock)
         authenticate_client(sock, secret)
     except BaseException:
         sock.close()
