@@ -142,11 +142,22 @@ def eager_result(group: list[dict[int, Request]]) -> np.ndarray | None:
         has no usable payload: the ranks then run the allreduce on the backend.
     """
     first = next(iter(group[0].values()))
-    op = ReduceOp(first.op)
-    dtype = np.dtype(first.dtype)
+    op = first.op
     if op == ReduceOp.Adasum:
         return None
+    dtype = m.dtype_of(first.dtype)
     ranks = sorted(group[0])
+    if len(group) == 1:
+        # One tensor (a lone small allreduce): no concatenation, one copy.
+        count = math.prod(first.shape)
+        payloads = [group[0][r].payload for r in ranks]
+        if any(p is None or p.dtype != dtype or p.size != count for p in payloads):
+            return None
+        out = payloads[0].reshape(-1).copy()  # never a payload: rank 0's is the caller's
+        for payload in payloads[1:]:
+            reduce_into(out, payload.reshape(-1), op)
+        finish_reduction(out, op, first.postscale, len(ranks))
+        return out
     per_rank: list[list[np.ndarray]] = [[] for _ in ranks]
     for requests in group:
         count = math.prod(next(iter(requests.values())).shape)
@@ -237,9 +248,14 @@ class Coordinator:
         """Finish ``name`` when every member has asked for it (joined ranks excused)."""
         entry = self._table[name]
         first = entry[min(entry)]
-        members = self._members(first)
         if first.kind == m.JOIN:
             return
+        if first.members is None and not self.joined:
+            # The usual case, on every tensor of every step: wait for all ranks.
+            if len(entry) >= self.size:
+                self._finish(name, validate(name, entry, self.size))
+            return
+        members = self._members(first)
         standing_in = [] if first.members is not None else [
             r for r in self.joined if r not in entry]
         if any(r not in entry and r not in standing_in for r in members):
@@ -315,39 +331,47 @@ class Coordinator:
         A fused allreduce small enough (``eager_bytes``) whose tensors all came with
         their requests is reduced here: its response carries the result.
         """
-        out: list[Response] = []
-        sizes: list[int] = []  # bytes of each fused allreduce in out (0 for the rest)
-        open_groups: dict[tuple, int] = {}  # key -> index in out
-        self.taken_bytes = 0
+        # Per response to send: [the response, names fused into it (None: just its
+        # own), bytes of a fusible allreduce (0 for the rest)].
+        groups: list[list] = []
+        open_groups: dict[tuple, int] = {}  # key -> index in groups
+        taken = 0
+        threshold = self.fusion_threshold
         for name, response in self._ready.items():
             request = self._requests.pop(name, None)
             nbytes = request.nbytes if request is not None else 0
-            self.taken_bytes += nbytes
+            taken += nbytes
             if (response.kind != m.ALLREDUCE or response.error or request is None
                     or response.joined or request.op == ReduceOp.Adasum):
-                out.append(response)
-                sizes.append(0)
+                groups.append([response, None, 0])
                 continue
             key = (request.dtype, request.device, request.op, request.prescale, request.postscale,
                    request.members)
             index = open_groups.get(key)
-            if index is not None and sizes[index] + nbytes <= self.fusion_threshold:
-                out[index] = Response(m.ALLREDUCE, out[index].names + (name,),
-                                      members=request.members)
-                sizes[index] += nbytes
+            group = groups[index] if index is not None else None
+            if group is not None and group[2] + nbytes <= threshold:
+                if group[1] is None:
+                    group[1] = list(group[0].names)
+                group[1].append(name)  # the fused response is built once, below
+                group[2] += nbytes
             else:
-                open_groups[key] = len(out)
-                out.append(response)
-                sizes.append(nbytes)
+                open_groups[key] = len(groups)
+                groups.append([response, None, nbytes])
         self._ready.clear()
+        self.taken_bytes = taken
         eager, self._eager_inputs = self._eager_inputs, {}
-        for i, (response, nbytes) in enumerate(zip(out, sizes)):
-            if (response.kind == m.ALLREDUCE and nbytes <= self.eager_bytes and not response.error
-                    and all(n in eager for n in response.names)):
-                data = eager_result([eager[n] for n in response.names])
+        out: list[Response] = []
+        for response, fused, nbytes in groups:
+            names = response.names if fused is None else tuple(fused)
+            if (eager and response.kind == m.ALLREDUCE and nbytes <= self.eager_bytes
+                    and not response.error and all(n in eager for n in names)):
+                data = eager_result([eager[n] for n in names])
                 if data is not None:
-                    out[i] = Response(m.ALLREDUCE, response.names, members=response.members,
-                                      data=data)
+                    out.append(Response(m.ALLREDUCE, names, members=response.members, data=data))
+                    continue
+            if fused is not None:
+                response = Response(m.ALLREDUCE, names, members=response.members)
+            out.append(response)
         if out and self.next_chunk_bytes is not None:
             out[0] = dataclasses.replace(out[0], chunk_bytes=self.next_chunk_bytes)
             self.next_chunk_bytes = None

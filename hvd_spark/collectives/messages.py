@@ -20,6 +20,18 @@ KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN
 JOIN_NAME = "hvd_spark.join"
 
 
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def dtype_of(name: str) -> np.dtype:
+    """``np.dtype(name)``, remembered: numpy parses the name anew each time (about a
+    microsecond), and every request of every step asks."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = _DTYPES[name] = np.dtype(name)
+    return dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One rank's wish to run a named collective on a tensor.
@@ -70,7 +82,7 @@ class Request:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor on this rank."""
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * dtype_of(self.dtype).itemsize
 
 
 def _request(name, kind, dtype, shape, op, prescale, postscale, root, splits, members, error,

@@ -157,3 +157,43 @@ def test_eager_off_by_default():
     for rank in (0, 1):
         c.add(rank, _eager_req("a", [1.0], op=int(ReduceOp.Sum)), 0.0)
     assert c.take_responses()[0].data is None
+
+
+def test_a_lone_eager_result_is_reduced_in_rank_order_into_its_own_array():
+    """One tensor, three ranks arriving out of order: rank order, and no payload aliased."""
+    import numpy as np
+
+    c = Coordinator(3, 1 << 20, eager_bytes=64)
+    payloads = {r: np.array([0.1 * (r + 1), 1e8, -1e8], np.float32) for r in range(3)}
+    for rank in (2, 0, 1):
+        c.add(rank, m.Request("x", m.ALLREDUCE, "float32", (3,), int(ReduceOp.Average),
+                              payload=payloads[rank]), 0.0)
+    (resp,) = c.take_responses()
+    expected = payloads[0].copy()
+    expected += payloads[1]
+    expected += payloads[2]
+    expected *= np.float32(1 / 3)
+    np.testing.assert_array_equal(resp.data, expected)
+    assert not any(np.shares_memory(resp.data, p) for p in payloads.values())
+    assert payloads[0][0] == np.float32(0.1)  # rank 0's (the caller's) input untouched
+
+
+def test_a_lone_eager_request_with_a_payload_of_the_wrong_size_runs_on_the_backend():
+    import numpy as np
+
+    c = Coordinator(2, 1 << 20, eager_bytes=64)
+    c.add(0, m.Request("x", m.ALLREDUCE, "float32", (2,), payload=np.ones(2, np.float32)), 0.0)
+    c.add(1, m.Request("x", m.ALLREDUCE, "float32", (2,), payload=np.ones(3, np.float32)), 0.0)
+    (resp,) = c.take_responses()
+    assert resp.error is None and resp.data is None
+
+
+def test_fusion_keeps_submission_order_and_starts_a_new_group_past_the_threshold():
+    c = Coordinator(2, fusion_threshold=40)
+    for rank in (0, 1):
+        for name in ("a", "b", "c", "d"):  # 16 bytes each: two fit under 40
+            c.add(rank, _req(name), 0.0)
+        c.add(rank, _req("i", dtype="int32"), 0.0)
+    responses = c.take_responses()
+    assert [r.names for r in responses] == [("a", "b"), ("c", "d"), ("i",)]
+    assert c.taken_bytes == 5 * 16

@@ -9,7 +9,12 @@ import pytest
 
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient, StoreServer
-from hvd_spark.errors import AuthenticationError, RendezvousTimeoutError
+from hvd_spark.errors import (
+    AuthenticationError,
+    CollectiveTimeoutError,
+    PeerDisconnectedError,
+    RendezvousTimeoutError,
+)
 
 SECRET = b"s" * 32
 
@@ -79,3 +84,39 @@ def test_remove_segments_only_touches_the_job(tmp_path, monkeypatch):
         (tmp_path / name).write_bytes(b"")
     assert shm.remove_segments(mine) == 2
     assert [p.name for p in tmp_path.iterdir()] == [f"hvd_spark_{other}_1_z"]
+
+
+def test_recv_exact_collects_a_message_sent_in_pieces():
+    """A frame that arrives in parts (small, or over the one-recv limit) is read whole."""
+    import time
+
+    a, b = socket.socketpair()
+    big = bytes(range(256)) * 1024  # over the one-recv size
+
+    def trickle():
+        for data in (b"hel", b"lo", big[:1000], big[1000:]):
+            a.sendall(data)
+            time.sleep(0.02)
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    b.settimeout(5)
+    assert wire.recv_exact(b, 5) == b"hello"
+    assert wire.recv_exact(b, len(big)) == big
+    sender.join()
+    a.close()
+    b.close()
+
+
+def test_recv_exact_names_a_closed_peer_and_a_timeout():
+    a, b = socket.socketpair()
+    b.settimeout(0.2)
+    with pytest.raises(CollectiveTimeoutError, match="no data from rank 3"):
+        wire.recv_exact(b, 8, "rank 3")
+    a.sendall(b"abc")
+    a.close()
+    with pytest.raises(PeerDisconnectedError, match="rank 3 closed the connection"):
+        wire.recv_exact(b, 8, "rank 3")  # 3 of 8 bytes, then the end
+    with pytest.raises(PeerDisconnectedError, match="rank 3 closed the connection"):
+        wire.recv_exact(b, 8, "rank 3")  # nothing at all
+    b.close()

@@ -30,6 +30,8 @@ _MAC_BYTES = _DIGEST().digest_size
 _LEN = struct.Struct("<Q")
 HANDSHAKE_TIMEOUT_S = 10.0
 MAX_FRAME_BYTES = 1 << 34
+# Frames up to this size are read with one plain recv first (control messages).
+_ONE_RECV_BYTES = 64 * 1024
 
 
 def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -38,8 +40,24 @@ def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
 
 def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer") -> bytes:
     """Read exactly ``nbytes`` or raise PeerDisconnectedError/CollectiveTimeoutError."""
+    if nbytes > _ONE_RECV_BYTES:
+        buf = bytearray(nbytes)
+        recv_into_exact(sock, memoryview(buf), what)
+        return bytes(buf)
+    try:
+        # A small message usually comes in one recv: no buffer to fill and copy out.
+        first = sock.recv(nbytes)
+    except TimeoutError:
+        raise _recv_timeout(sock, what) from None
+    except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as exc:
+        raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+    if len(first) == nbytes:
+        return first
+    if not first:
+        raise PeerDisconnectedError(f"{what} closed the connection")
     buf = bytearray(nbytes)
-    recv_into_exact(sock, memoryview(buf), what)
+    buf[: len(first)] = first
+    recv_into_exact(sock, memoryview(buf)[len(first):], what)
     return bytes(buf)
 
 
@@ -54,12 +72,15 @@ def recv_into_exact(sock: socket.socket, view: memoryview, what: str = "peer") -
                 raise PeerDisconnectedError(f"{what} closed the connection")
             got += n
     except TimeoutError:
-        raise CollectiveTimeoutError(
-            f"no data from {what} within {sock.gettimeout()} s; it may be stalled or dead "
-            "(raise HVD_SPARK_TIMEOUT if it is just slow)"
-        ) from None
+        raise _recv_timeout(sock, what) from None
     except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as exc:
         raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+
+
+def _recv_timeout(sock: socket.socket, what: str) -> CollectiveTimeoutError:
+    return CollectiveTimeoutError(
+        f"no data from {what} within {sock.gettimeout()} s; it may be stalled or dead "
+        "(raise HVD_SPARK_TIMEOUT if it is just slow)")
 
 
 def send_all(sock: socket.socket, data: bytes | memoryview, what: str = "peer") -> None:
