@@ -142,5 +142,86 @@ def autotune() -> None:
     print(f"OK autotune {out['steps']} steps {digest}", flush=True)
 
 
+def _reference(arrays: list[np.ndarray], op: ops.ReduceOp, postscale: float = 1.0) -> np.ndarray:
+    """The coordinator's eager arithmetic on every rank's input: rank 0's, then each
+    rank's folded in, in rank order, then finished."""
+    out = arrays[0].copy()
+    for a in arrays[1:]:
+        ops.reduce_into(out, a, op)
+    ops.finish_reduction(out, op, postscale, len(arrays))
+    return out
+
+
+def _same_bits_everywhere(result: np.ndarray) -> None:
+    raw = np.frombuffer(result.tobytes(), np.uint8)
+    everyone = hvd.allgather(raw[None, :])
+    assert all((row == everyone[0]).all() for row in everyone), "ranks got different bits"
+
+
+def response_cache() -> None:
+    """Small allreduces the ranks agreed on before: each rank reduces them itself (the
+    MPI engine's response cache); results equal a numpy reference bit for bit."""
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    engine = api._engine
+    inputs = lambda seed, shape, dtype: [  # noqa: E731 - every rank's input, known to all
+        np.random.default_rng(seed * 100 + q).standard_normal(shape).astype(dtype)
+        for q in range(n)]
+    # Repeated unnamed 1 KB allreduces (the names change every call), then repeated named ones.
+    for step in range(30):
+        xs = inputs(step, 256, np.float32)
+        got = hvd.allreduce(xs[r], op=ops.Sum)
+        assert got.tobytes() == _reference(xs, ops.Sum).tobytes(), step
+        mine = xs[r].copy()
+        hvd.allreduce_(mine, name="grad.w", op=ops.Average)
+        assert mine.tobytes() == _reference(xs, ops.Average).tobytes(), step
+        _same_bits_everywhere(got)
+    cached = engine.cached_rounds
+    assert cached >= 40, cached
+    # Other dtypes, ops and scale factors; the same name with a changed shape.
+    for step, (dtype, op, shape) in enumerate([
+            (np.float16, ops.Sum, (8, 4)), (np.float64, ops.Max, (3,)), (np.int32, ops.Sum, (5,)),
+            (np.float32, ops.Average, (2, 3)), (np.float32, ops.Average, (7,))] * 3):
+        xs = inputs(1000 + step, shape, dtype)
+        got = hvd.allreduce(xs[r], name="changing", op=op, postscale_factor=0.5)
+        assert got.shape == shape and got.dtype == dtype
+        assert got.tobytes() == _reference(xs, op, 0.5).tobytes(), (step, dtype, op)
+        _same_bits_everywhere(got)
+    # A batch of several tensors, cached as one message.
+    for step in range(5):
+        xs = [inputs(2000 + 10 * step + i, 16 * (i + 1), np.float32) for i in range(4)]
+        got = hvd.grouped_allreduce([x[r] for x in xs], op=ops.Sum)
+        for i, x in enumerate(xs):
+            assert got[i].tobytes() == _reference(x, ops.Sum).tobytes(), (step, i)
+    assert engine.cached_rounds > cached
+    # Ranks that submit in different orders still agree (rank 0 sorts it out).
+    for step in range(5):
+        xs = {k: inputs(3000 + 10 * step + i, 64, np.float32) for i, k in enumerate("ab")}
+        order = "ab" if r % 2 == 0 else "ba"
+        handles = {k: hvd.allreduce_async(xs[k][r], name=f"order.{k}", op=ops.Sum)
+                   for k in order}
+        for k in "ab":
+            assert hvd.synchronize(handles[k]).tobytes() == _reference(xs[k], ops.Sum).tobytes()
+    # A rank that asks for a cached name with another shape: every rank gets the error.
+    before = engine.cached_rounds
+    try:
+        hvd.allreduce(np.ones(256 if r else 255, np.float32), name="grad.w")
+    except CollectiveError as exc:
+        assert "shape" in str(exc), exc
+    else:
+        raise AssertionError("shapes that differ must fail")
+    assert engine.cached_rounds == before
+    # ... and the cache works on afterwards.
+    xs = inputs(4000, 256, np.float32)
+    mine = xs[r].copy()
+    hvd.allreduce_(mine, name="grad.w", op=ops.Average)
+    assert mine.tobytes() == _reference(xs, ops.Average).tobytes()
+    assert engine.cached_rounds == before + 1
+    hvd.shutdown()
+    print(f"OK response_cache {cached}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

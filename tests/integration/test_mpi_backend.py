@@ -90,3 +90,10 @@ def test_autotune_tunes_fusion_and_cycle_time_under_mpi():
            if "OK autotune " in line]
     assert len(oks) == 2 and oks[0] == oks[1], proc.stdout  # same steps, same bits
     assert "CHOICE fusion_threshold=" in proc.stdout
+
+
+def test_agreed_small_allreduces_skip_rank_0_with_the_same_bits():
+    """The response cache: bitwise-equal results, changed shapes, orders, errors."""
+    proc = _hvdrun_mpi(3, "response_cache")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("OK response_cache") == 3, proc.stdout + proc.stderr

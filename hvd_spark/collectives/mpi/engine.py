@@ -1,12 +1,16 @@
 """The collectives engine of MPI jobs: negotiation rounds over MPI, as Horovod's MPI controller.
 
-Every rank's background thread runs the same cycle: it sends the requests submitted
-since the last cycle to rank 0 (``Negotiation.round``), rank 0's coordinator (the same
-pure logic as the TCP engine's) answers with the responses to run, and every rank runs
-them in that order on the ``MpiCommunicator``. A cycle starts as soon as a request is
-submitted, or after the cycle time when idle (a rank joins its peers' cycles even when it
-has nothing to ask). A shutdown on any rank ends the engine on every rank together, as
-in Horovod; the others fail what they still submit, with the reason.
+Every rank's background thread (or a caller waiting on it) runs the same cycle: it
+shares the requests submitted since the last cycle with every rank
+(``Negotiation.share``); rank 0's coordinator (the same pure logic as the TCP engine's)
+answers with the responses to run, and every rank runs them in that order on the
+``MpiCommunicator``. When every rank asks for the same small allreduces they already
+agreed on before (``ResponseCache``) and rank 0's coordinator has nothing in hand, the
+ranks need no answer: each reduces the tensors that came with the requests itself. A
+cycle starts as soon as a request is submitted, or after the cycle time when idle (a rank
+joins its peers' cycles even when it has nothing to ask). A shutdown on any rank ends the
+engine on every rank together, as in Horovod; the others fail what they still submit,
+with the reason.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
 from hvd_spark.collectives.mpi.communicator import MpiCommunicator
 from hvd_spark.collectives.mpi.negotiation import SLOT_BYTES, Negotiation
+from hvd_spark.collectives.mpi.response_cache import (
+    PICKLED,
+    Labeler,
+    ResponseCache,
+    cacheable,
+)
 from hvd_spark.collectives.operations import Entry
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError, HvdSparkError
@@ -36,6 +46,8 @@ _MIN_TICK_S = 0.5e-3
 _LINGER_S = 200e-6
 # Largest eager allreduce under MPI: it and its request fit one negotiation slot.
 _EAGER_CAP = SLOT_BYTES - 1024
+# Rank 0's flag: its coordinator holds nothing, so the ranks may decide an agreed round alone.
+_IDLE = 1
 
 
 class MpiEngine(EngineCore):
@@ -66,6 +78,10 @@ class MpiEngine(EngineCore):
         self._bye_since: dict[int, float] = {}  # rank 0: who said goodbye, when
         self._first_ready: float | None = None
         self._busy_since: float | None = None  # the last cycle that ran something
+        self._cache = ResponseCache()
+        self._labeler = Labeler() if self.rank == 0 else None
+        #: Rounds every rank decided alone, from the response cache.
+        self.cached_rounds = 0
         self._stopped = False  # a round agreed that every rank stops
         self.cycles = 0
         self._thread = threading.Thread(target=self._run, name="hvd-engine-mpi", daemon=True)
@@ -142,20 +158,76 @@ class MpiEngine(EngineCore):
             new = list(self._queue)
             self._queue.clear()
             stopping = self._stopping
-        requests = [e.request for e in new]
-        payload = pickle.dumps((requests, stopping)) if requests or stopping else b""
-        answer = self._negotiation.round(payload, self._decide)
+        shared = self._negotiation.share(self._message([e.request for e in new], stopping),
+                                         _IDLE if self._idle(stopping) else 0)
         self.cycles += 1
+        if shared.whole and shared.flags[0] & _IDLE:
+            agreed = self._cache.agreed(shared.parts)
+            if agreed is not None:
+                # Every rank takes this branch: all hold the same parts and flags.
+                self.cached_rounds += 1
+                self._busy_since = time.monotonic()
+                for response in self._cache.reduce(agreed, shared.parts):
+                    self._execute(response)
+                return
+            if not any(shared.parts):
+                self._busy_since = None  # rank 0 would answer nothing: no broadcast
+                return
+        answer = self._negotiation.answer(
+            self._decide(shared.parts) if self.rank == 0 else None)
         if not answer:
             self._busy_since = None
             return
-        responses, stop = pickle.loads(answer)
+        responses, stop, labels = pickle.loads(answer)
         self._busy_since = time.monotonic() if responses else None
-        for response in responses:
+        for response, numbers in zip(responses, labels):
+            if numbers:
+                self._remember(response, numbers)
             self._execute(response)
         if stop is not None:
             self._stop(stop)
             self._stopped = True
+
+    def _message(self, requests: list, stopping: bool) -> bytes:
+        """This rank's part of a round: cached numbers when it can, else pickled."""
+        if not requests and not stopping:
+            return b""
+        if not stopping:
+            cached = self._cache.encode(requests)
+            if cached is not None:
+                return cached
+        return PICKLED + pickle.dumps((requests, stopping))
+
+    def _idle(self, stopping: bool) -> bool:
+        """Rank 0: nothing in the coordinator's hands, nothing it must see (timeline,
+        autotuner), so a round the ranks agree on may skip it."""
+        coord = self._coordinator
+        return (coord is not None and not stopping and not self._bye_since
+                and not self.autotuning and timeline.current() is None
+                and not coord.has_ready() and not coord.has_partial() and not coord.joined
+                and not coord.departed and coord.next_chunk_bytes is None)
+
+    def _remember(self, response, numbers: tuple[int, ...]) -> None:
+        """Cache this rank's requests of an eager allreduce every rank runs now under
+        the numbers rank 0 gave them."""
+        with self._lock:
+            requests = [self._pending[n].request for n in response.names if n in self._pending]
+        if len(requests) == len(response.names):  # else _execute fails the engine anyway
+            for number, request in zip(numbers, requests):
+                self._cache.remember(number, request)
+
+    def _labels(self, responses: list) -> list[tuple[int, ...] | None]:
+        """Rank 0: the cache numbers of each response's tensors (None: not cached)."""
+        labels: list[tuple[int, ...] | None] = []
+        for response in responses:
+            numbers = None
+            if cacheable(response):
+                with self._lock:
+                    mine = [self._pending.get(n) for n in response.names]
+                if all(e is not None for e in mine):
+                    numbers = tuple(self._labeler.label(e.request) for e in mine)
+            labels.append(numbers)
+        return labels
 
     def _await_work(self) -> None:
         """Until a submission or the tick. Right after a busy cycle, first poll briefly
@@ -178,7 +250,10 @@ class MpiEngine(EngineCore):
         for rank, part in enumerate(parts):
             if not part:
                 continue
-            requests, bye = pickle.loads(part)
+            if part[:1] == PICKLED:
+                requests, bye = pickle.loads(memoryview(part)[1:])
+            else:
+                requests, bye = self._cache.requests(part), False
             for request in requests:
                 if tl is not None:
                     row = timeline_row(request.name, request.kind)
@@ -197,7 +272,7 @@ class MpiEngine(EngineCore):
         responses = self._ready_responses(now) if stop is None else coord.take_responses()
         if not responses and stop is None:
             return b""
-        return pickle.dumps((responses, stop))
+        return pickle.dumps((responses, stop, self._labels(responses)))
 
     def _stop_reason(self, now: float) -> str | None:
         if not self._bye_since:
