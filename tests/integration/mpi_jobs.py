@@ -196,6 +196,19 @@ def response_cache() -> None:
         for i, x in enumerate(xs):
             assert got[i].tobytes() == _reference(x, ops.Sum).tobytes(), (step, i)
     assert engine.cached_rounds > cached
+    # Larger tensors (no ride along): a lone one skips rank 0, several go to it (fused).
+    before = engine.cached_rounds
+    for step in range(5):
+        xs = inputs(5000 + step, 2048, np.float32)
+        got = hvd.allreduce(xs[r], op=ops.Sum)
+        np.testing.assert_allclose(got, _reference(xs, ops.Sum), rtol=1e-5, atol=1e-5)
+        _same_bits_everywhere(got)
+        many = [inputs(6000 + 10 * step + i, 1024 * (i + 1), np.float32) for i in range(3)]
+        outs = hvd.grouped_allreduce([x[r] for x in many], op=ops.Average)
+        for out, x in zip(outs, many):
+            np.testing.assert_allclose(out, _reference(x, ops.Average), rtol=1e-5, atol=1e-5)
+            _same_bits_everywhere(out)
+    assert engine.cached_rounds >= before + 4, (before, engine.cached_rounds)
     # Ranks that submit in different orders still agree (rank 0 sorts it out).
     for step in range(5):
         xs = {k: inputs(3000 + 10 * step + i, 64, np.float32) for i, k in enumerate("ab")}

@@ -1,13 +1,14 @@
-"""The MPI engine's response cache: small allreduces the ranks already agreed on, by number.
+"""The MPI engine's response cache: allreduces the ranks already agreed on, by number.
 
 A training loop asks for allreduces of the same shapes and types every step (their
 names may change: unnamed calls are numbered). When rank 0's coordinator has validated
-an eager allreduce (its tensors riding with the requests), rank 0 labels each of its
-tensors with a number for that kind of request, and every rank remembers its own
-request under that number. A later round in which every rank sends the same numbers
-and names, each with its tensor, needs no decision by rank 0: every rank reduces the
-ranks' tensors itself, in rank order, with the coordinator's arithmetic, so all get
-the same bits. Rank 0 hands out the numbers, so they mean the same on every rank.
+an allreduce of all ranks, rank 0 labels each of its tensors with a number for that
+kind of request, and every rank remembers its own request under that number. A later
+round in which every rank sends the same numbers and names needs no decision by rank 0:
+a small tensor that rides along (eager) every rank reduces itself, in rank order, with
+the coordinator's arithmetic, so all get the same bits; a lone larger one every rank
+runs on the backend at once. Rank 0 hands out the numbers, so they mean the same on
+every rank. Several larger tensors still go to rank 0, which fuses them.
 
 A cached message is ``b"C"``, the count and the length of what follows up to the
 tensors (numbers, name lengths, names), then the tensors' bytes one after another;
@@ -36,9 +37,9 @@ CAPACITY = 8192
 
 
 def cacheable(response: Response) -> bool:
-    """Whether ``response`` was an eager allreduce of all ranks (what the cache holds)."""
-    return (response.kind == m.ALLREDUCE and response.data is not None and not response.error
-            and response.members is None and not response.joined)
+    """Whether ``response`` was a valid allreduce of all ranks (what the cache holds)."""
+    return (response.kind == m.ALLREDUCE and not response.error and response.members is None
+            and not response.joined)
 
 
 def signature(request: Request) -> tuple:
@@ -112,14 +113,15 @@ class ResponseCache:
         numbers = []
         for request in requests:
             number = self._by_signature.get(signature(request))
-            if number is None or request.payload is None:
+            if number is None:
                 return None
-            numbers.append(number)
+            # The lowest bit says whether the tensor rides along: the ranks compare it too.
+            numbers.append(2 * number + (request.payload is not None))
         names = [q.name.encode() for q in requests]
         meta = array("i", numbers + [len(n) for n in names]).tobytes() + b"".join(names)
         meta += bytes(-len(meta) % 8)  # the tensors start aligned
         return b"".join([_HEAD.pack(CACHED, len(requests), len(meta)), meta,
-                         *(q.payload.tobytes() for q in requests)])
+                         *(q.payload.tobytes() for q in requests if q.payload is not None)])
 
     @staticmethod
     def _parse(part: bytes) -> tuple[list[int], list[str], int]:
@@ -142,7 +144,9 @@ class ResponseCache:
         if any(part[: len(head)] != head for part in parts[1:]):
             return None
         numbers, names, start = self._parse(first)
-        if any(n not in self._known for n in numbers):
+        if len(numbers) > 1 and not all(n & 1 for n in numbers):
+            return None  # tensors that do not ride along fuse on rank 0's word
+        if any(n >> 1 not in self._known for n in numbers):
             return None  # never: every rank remembers the same numbers
         return numbers, names, start
 
@@ -157,7 +161,10 @@ class ResponseCache:
         numbers, names, offset = agreed
         out = []
         for number, name in zip(numbers, names):
-            known = self._known[number]
+            if not number & 1:  # run on the backend, as rank 0's answer would say
+                out.append(Response(m.ALLREDUCE, (name,)))
+                continue
+            known = self._known[number >> 1]
             dtype, count = known.dtype, known.count
             total = np.frombuffer(parts[0], dtype, count, offset).copy()
             for part in parts[1:]:
@@ -176,8 +183,10 @@ class ResponseCache:
         numbers, names, offset = self._parse(part)
         out = []
         for number, name in zip(numbers, names):
-            known = self._known[number]
-            payload = np.frombuffer(part, known.dtype, known.count, offset)
-            offset += known.count * known.dtype.itemsize
+            known = self._known[number >> 1]
+            payload = None
+            if number & 1:
+                payload = np.frombuffer(part, known.dtype, known.count, offset)
+                offset += known.count * known.dtype.itemsize
             out.append(dataclasses.replace(known.request, name=name, payload=payload))
         return out
