@@ -14,7 +14,8 @@ from tests.contract.communicator_contract import CommunicatorContract, run_paral
 SECRET = b"contract-secret-0123456789abcdef"
 
 
-def make_tcp(size: int, use_shm: bool, chunk_bytes: int = 64 * 1024) -> list[TcpCommunicator]:
+def make_tcp(size: int, use_shm: bool, chunk_bytes: int = 64 * 1024,
+             spin_s: float = 0.0) -> list[TcpCommunicator]:
     """Form a real mesh of ``size`` ranks over loopback, one thread per rank (ranks on
     one host connect through Unix sockets with shared memory on, TCP without, as in jobs)."""
     server = StoreServer(SECRET)
@@ -27,7 +28,8 @@ def make_tcp(size: int, use_shm: bool, chunk_bytes: int = 64 * 1024) -> list[Tcp
         store.close()
         for sock in mesh.control.values():
             sock.close()  # the contract exercises data paths only
-        comms[rank] = TcpCommunicator(rank, size, mesh.data, chunk_bytes, use_shm)
+        comms[rank] = TcpCommunicator(rank, size, mesh.data, chunk_bytes, use_shm,
+                                      spin_s=spin_s)
 
     threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
     for t in threads:
@@ -44,6 +46,16 @@ class TestTcpWithShm(CommunicatorContract):
         comms = make_tcp(size, use_shm=True)
         for c in comms:
             assert all(isinstance(c.links[p], ShmLink) for p in (c.left_rank, c.right_rank))
+        return comms
+
+
+class TestTcpWithShmPolling(CommunicatorContract):
+    """Shared-memory links that poll for notices before blocking (as jobs run them)."""
+
+    def make(self, size):
+        comms = make_tcp(size, use_shm=True, spin_s=1e-3)
+        for c in comms:
+            assert all(c.links[p].spin_s == 1e-3 for p in (c.left_rank, c.right_rank))
         return comms
 
 

@@ -120,3 +120,21 @@ def test_recv_exact_names_a_closed_peer_and_a_timeout():
     with pytest.raises(PeerDisconnectedError, match="rank 3 closed the connection"):
         wire.recv_exact(b, 8, "rank 3")  # nothing at all
     b.close()
+
+
+def test_poll_readable_returns_on_data_or_when_the_spin_is_over():
+    import time
+
+    a, b = socket.socketpair()
+    start = time.monotonic()
+    wire.poll_readable(b, 0.05)  # nothing comes: it gives up after the spin
+    assert 0.05 <= time.monotonic() - start < 1.0
+    start = time.monotonic()
+    wire.poll_readable(b, 0.0)  # no spin: at once
+    assert time.monotonic() - start < 0.05
+    threading.Timer(0.02, lambda: a.sendall(b"x")).start()
+    start = time.monotonic()
+    wire.poll_readable(b, 5.0)  # returns when the byte arrives, long before 5 s
+    assert time.monotonic() - start < 2.0 and b.recv(1) == b"x"
+    a.close()
+    b.close()

@@ -39,6 +39,8 @@ class TcpCommunicator(Communicator):
         shm_tag: Names the job's shared-memory files (``job_tag``).
         slot_bytes: Shared-memory slot size (default ``chunk_bytes``): the largest chunk
             the communicator can ever use, since slots are sized once.
+        spin_s: Seconds a shared-memory link polls for its peer's notice before blocking
+            (``EngineConfig.spin_seconds``).
     """
 
     name = "tcp"
@@ -52,9 +54,11 @@ class TcpCommunicator(Communicator):
         use_shm: bool = True,
         shm_tag: str = "job",
         slot_bytes: int | None = None,
+        spin_s: float = 0.0,
     ) -> None:
         self.rank, self.size = rank, size
         self.slot_bytes = max(chunk_bytes, slot_bytes or 0)
+        self.spin_s = spin_s
         self._ring = _RingSettings(chunk_bytes)
         self.links: dict[int, Link] = {}
         self.left_rank = (rank - 1) % size
@@ -64,7 +68,8 @@ class TcpCommunicator(Communicator):
         for peer in sorted(data_socks):
             sock = data_socks[peer]
             shm = use_shm and peer in neighbours
-            link = negotiate_shm(sock, peer, self.slot_bytes, tag=shm_tag) if shm else None
+            link = (negotiate_shm(sock, peer, self.slot_bytes, tag=shm_tag, spin_s=spin_s)
+                    if shm else None)
             self.links[peer] = link if link is not None else TcpLink(sock, peer)
         self.shm_peers = sorted(p for p, ln in self.links.items() if not isinstance(ln, TcpLink))
         # With one rank there are no neighbours; every algorithm returns before using them.
@@ -76,6 +81,7 @@ class TcpCommunicator(Communicator):
         sub = TcpCommunicator.__new__(TcpCommunicator)
         sub.rank, sub.size = list(members).index(self.rank), len(members)
         sub.slot_bytes, sub._ring = self.slot_bytes, self._ring  # one chunk size for all views
+        sub.spin_s = self.spin_s
         sub.links = {i: self.links[g] for i, g in enumerate(members) if g != self.rank}
         sub.left_rank = (sub.rank - 1) % sub.size
         sub.right_rank = (sub.rank + 1) % sub.size
@@ -170,7 +176,8 @@ def create(world, config, data_socks: dict[int, socket.socket]) -> Communicator:
     from hvd_spark.collectives.tcp.hierarchical import maybe_hierarchical
 
     flat = TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm,
-                           shm_tag=job_tag(world.secret), slot_bytes=config.slot_bytes)
+                           shm_tag=job_tag(world.secret), slot_bytes=config.slot_bytes,
+                           spin_s=config.spin_seconds(world.local_size))
     setting = _env.get_str(_env.HIERARCHICAL_ALLREDUCE)
     return maybe_hierarchical(flat, world, None if setting is None else _env.is_true(setting),
                               config.use_shm, job_tag(world.secret))

@@ -210,7 +210,7 @@ def share_memory_on_wrap(flat: TcpCommunicator, local_size: int, shm_tag: str) -
     link = flat.links[peer]
     if not isinstance(link, TcpLink):
         return
-    shm = negotiate_shm(link.sock, peer, flat.slot_bytes, tag=shm_tag)
+    shm = negotiate_shm(link.sock, peer, flat.slot_bytes, tag=shm_tag, spin_s=flat.spin_s)
     if shm is not None:
         flat.links[peer] = shm
         flat.shm_peers = sorted({*flat.shm_peers, peer})

@@ -78,6 +78,7 @@ class ShmLink(Link):
         in_map: Mapping the peer writes and this rank reads.
         slot_bytes: Bytes per slot.
         nslots: Slots per direction.
+        spin_s: Seconds to poll for a notice before blocking on the socket.
     """
 
     def __init__(
@@ -88,8 +89,10 @@ class ShmLink(Link):
         in_map: mmap.mmap,
         slot_bytes: int,
         nslots: int,
+        spin_s: float = 0.0,
     ) -> None:
         self.sock = sock
+        self.spin_s = spin_s
         self.peer = peer
         self._what = f"rank {peer}"
         self._out_map, self._in_map = out_map, in_map
@@ -108,6 +111,7 @@ class ShmLink(Link):
 
     def _pump(self) -> None:
         """Read one notice from the peer and account for it."""
+        wire.poll_readable(self.sock, self.spin_s)
         kind, nbytes = HEADER.unpack(wire.recv_exact(self.sock, HEADER.size, self._what))
         if kind == KIND_SHM_READY:
             self._ready.append(nbytes)
@@ -236,7 +240,7 @@ def _open_segment(path: str, token: bytes, size: int) -> mmap.mmap | None:
 
 def negotiate_shm(
     sock: socket.socket, peer: int, slot_bytes: int, nslots: int = DEFAULT_SLOTS,
-    tag: str = "job",
+    tag: str = "job", spin_s: float = 0.0,
 ) -> ShmLink | None:
     """Try to set up a ShmLink with ``peer`` over its authenticated socket.
 
@@ -269,7 +273,7 @@ def negotiate_shm(
             except OSError:
                 pass
     if out_map is not None and in_map is not None and peer_mapped:
-        return ShmLink(sock, peer, out_map, in_map, slot_bytes, nslots)
+        return ShmLink(sock, peer, out_map, in_map, slot_bytes, nslots, spin_s)
     for mapping in (out_map, in_map):
         if mapping is not None:
             mapping.close()

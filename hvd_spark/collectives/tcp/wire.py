@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import os
 import pickle
+import select
 import socket
 import struct
 import time
@@ -75,6 +76,22 @@ def recv_into_exact(sock: socket.socket, view: memoryview, what: str = "peer") -
         raise _recv_timeout(sock, what) from None
     except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as exc:
         raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+
+
+def poll_readable(sock: socket.socket, spin_s: float) -> None:
+    """Poll ``sock`` for up to ``spin_s`` seconds and return once it is readable (or the
+    time is up; the caller then blocks in recv as usual).
+
+    A receiver blocked in the kernel makes its sender pay for the wake-up (50-70 us per
+    9-byte notice on a VM) and wakes up late itself; a polling one costs a microsecond
+    or two per look, and its sender nothing extra.
+    """
+    if spin_s <= 0 or select.select([sock], [], [], 0.0)[0]:
+        return
+    until = time.monotonic() + spin_s
+    while time.monotonic() < until:
+        if select.select([sock], [], [], 0.0)[0]:
+            return
 
 
 def _recv_timeout(sock: socket.socket, what: str) -> CollectiveTimeoutError:
