@@ -70,7 +70,7 @@ class TcpCommunicator(Communicator):
             shm = use_shm and peer in neighbours
             link = (negotiate_shm(sock, peer, self.slot_bytes, tag=shm_tag, spin_s=spin_s)
                     if shm else None)
-            self.links[peer] = link if link is not None else TcpLink(sock, peer, spin_s)
+            self.links[peer] = link if link is not None else TcpLink(sock, peer)
         self.shm_peers = sorted(p for p, ln in self.links.items() if not isinstance(ln, TcpLink))
         # With one rank there are no neighbours; every algorithm returns before using them.
         self.left = self.links.get(self.left_rank)

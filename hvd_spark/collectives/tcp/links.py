@@ -87,13 +87,11 @@ class TcpLink(Link):
     Args:
         sock: Connected, authenticated socket; its timeout is every wait's deadline.
         peer: The peer's rank.
-        spin_s: Seconds to poll for the next message before blocking in recv.
     """
 
-    def __init__(self, sock: socket.socket, peer: int, spin_s: float = 0.0) -> None:
+    def __init__(self, sock: socket.socket, peer: int) -> None:
         self.sock = sock
         self.peer = peer
-        self.spin_s = spin_s
         self._what = f"rank {peer}"
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -145,7 +143,6 @@ class TcpLink(Link):
                 raise result
 
     def _recv_header(self, nbytes: int) -> None:
-        wire.poll_readable(self.sock, self.spin_s)
         kind, got = HEADER.unpack(wire.recv_exact(self.sock, HEADER.size, self._what))
         check_header(kind, got, KIND_DATA, nbytes, self.peer)
 
