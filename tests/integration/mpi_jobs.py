@@ -6,6 +6,7 @@ its checks pass on that rank (an assertion error fails the rank and the job).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -66,6 +67,25 @@ def rank_fails() -> None:
     if hvd.rank() == 1:
         raise RuntimeError("rank 1 breaks on purpose")
     hvd.allreduce(np.ones(4), name="never-completes")
+
+
+def cached_rank_dies() -> None:
+    """Rank 1 is killed while the ranks run cached small allreduces (the response cache's
+    fast rounds): rank 0 must not wait for it until the collective timeout."""
+    import signal
+
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    for _ in range(20):
+        hvd.allreduce(np.ones(256, np.float32), name="warm", op=ops.Sum)
+    assert api._engine.cached_rounds >= 10, api._engine.cached_rounds
+    print(f"[cache warm on rank {hvd.rank()}]", flush=True)
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-step: rank 0 is in its next round
+    for _ in range(1000):
+        hvd.allreduce(np.ones(256, np.float32), name="warm", op=ops.Sum)
+    raise AssertionError("rank 0 went on without rank 1")
 
 
 def timeout() -> None:

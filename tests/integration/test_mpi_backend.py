@@ -51,6 +51,17 @@ def test_a_failing_rank_ends_the_job_quickly():
     assert time.monotonic() - start < 60  # not the 120 s collective timeout
 
 
+def test_a_rank_killed_during_cached_rounds_ends_the_job_quickly():
+    """The response cache's fast rounds wait on every rank too: a killed rank ends them."""
+    start = time.monotonic()
+    proc = _hvdrun_mpi(2, "cached_rank_dies", HVD_SPARK_TIMEOUT="120")
+    assert proc.returncode != 0
+    assert proc.stdout.count("[cache warm on rank") == 2, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "signal 9" in out and "Traceback" not in out, out  # killed, not a Python error
+    assert time.monotonic() - start < 60  # not the 120 s collective timeout
+
+
 def test_a_collective_one_rank_never_calls_times_out():
     proc = _hvdrun_mpi(2, "timeout", HVD_SPARK_TIMEOUT="3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
