@@ -9,13 +9,36 @@ guarantees that before it calls.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.errors import BackendUnavailableError
+
+_waiting = threading.local()
+
+
+@contextlib.contextmanager
+def caller_waiting() -> Iterator[None]:
+    """Mark this thread as one whose caller waits for the result (the engine wraps a
+    waiting caller's progress in it): backends may then poll for their peers' messages
+    before blocking. A background thread overlapping the caller's compute must not poll,
+    or it takes the CPU that compute needs."""
+    before = getattr(_waiting, "on", False)
+    _waiting.on = True
+    try:
+        yield
+    finally:
+        _waiting.on = before
+
+
+def may_poll() -> bool:
+    """Whether this thread runs a waiting caller's operation (see ``caller_waiting``)."""
+    return getattr(_waiting, "on", False)
 
 
 class Communicator(abc.ABC):

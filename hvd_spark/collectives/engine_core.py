@@ -22,7 +22,7 @@ import numpy as np
 
 from hvd_spark.collectives import autotune, operations, timeline
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives.communicator import Communicator
+from hvd_spark.collectives.communicator import Communicator, caller_waiting
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.nccl import arrays
 from hvd_spark.collectives.operations import Entry, Handle
@@ -231,7 +231,8 @@ class EngineCore(abc.ABC):
                 if self._closed or self._failure is not None:
                     break  # the background thread is failing the handles: just wait
                 try:
-                    self._drive(min(left, DRIVE_SLICE_S))
+                    with caller_waiting():
+                        self._drive(min(left, DRIVE_SLICE_S))
                 except BaseException as exc:  # noqa: BLE001 - fails every pending handle
                     self._fail(exc)
                     self._failed_while_driving()

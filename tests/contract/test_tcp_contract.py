@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from hvd_spark.collectives.tcp.communicator import TcpCommunicator
 from hvd_spark.collectives.tcp.links import TcpLink
 from hvd_spark.collectives.tcp.mesh import build_mesh
@@ -50,7 +52,14 @@ class TestTcpWithShm(CommunicatorContract):
 
 
 class TestTcpWithShmPolling(CommunicatorContract):
-    """Shared-memory links that poll for notices before blocking (as jobs run them)."""
+    """Shared-memory links that poll for notices before blocking (as a waiting caller's
+    operations run in jobs)."""
+
+    @pytest.fixture(autouse=True)
+    def _as_waiting_callers(self, monkeypatch):
+        from hvd_spark.collectives.tcp import shm
+
+        monkeypatch.setattr(shm, "may_poll", lambda: True)
 
     def make(self, size):
         comms = make_tcp(size, use_shm=True, spin_s=1e-3)
@@ -212,7 +221,7 @@ def test_dial_falls_back_to_tcp_when_the_unix_socket_is_unreachable():
     server = threading.Thread(target=serve)
     server.start()
     info = ("127.0.0.1", listener.getsockname()[1], "host", "hvd_spark.nobody-listens-here")
-    sock = mesh_mod._dial("data", 0, info, "host", SECRET, 10.0)
+    sock = mesh_mod._dial(0, info, "host", SECRET, 10.0)
     server.join(10)
     listener.close()
     assert sock.family == socket.AF_INET and "conn" in accepted

@@ -138,3 +138,21 @@ def test_poll_readable_returns_on_data_or_when_the_spin_is_over():
     assert time.monotonic() - start < 2.0 and b.recv(1) == b"x"
     a.close()
     b.close()
+
+
+def test_only_threads_of_waiting_callers_may_poll():
+    """The engine marks a waiting caller's progress; other threads (the background one,
+    beside the caller's compute) block instead of polling."""
+    from hvd_spark.collectives.communicator import caller_waiting, may_poll
+
+    seen = {}
+    assert not may_poll()
+    with caller_waiting():
+        assert may_poll()
+        with caller_waiting():
+            assert may_poll()
+        assert may_poll()  # nested: still inside the outer one
+        other = threading.Thread(target=lambda: seen.setdefault("other", may_poll()))
+        other.start()
+        other.join()
+    assert not may_poll() and seen == {"other": False}

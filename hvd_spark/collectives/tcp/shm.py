@@ -25,6 +25,7 @@ import numpy as np
 
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import nbytes_of
+from hvd_spark.collectives.communicator import may_poll
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.links import (
     HEADER,
@@ -78,7 +79,8 @@ class ShmLink(Link):
         in_map: Mapping the peer writes and this rank reads.
         slot_bytes: Bytes per slot.
         nslots: Slots per direction.
-        spin_s: Seconds to poll for a notice before blocking on the socket.
+        spin_s: Seconds to poll for a notice before blocking on the socket, when the
+            thread runs a waiting caller's operation (``communicator.may_poll``).
     """
 
     def __init__(
@@ -111,7 +113,8 @@ class ShmLink(Link):
 
     def _pump(self) -> None:
         """Read one notice from the peer and account for it."""
-        wire.poll_readable(self.sock, self.spin_s)
+        if may_poll():  # for a waiting caller only: a background thread would steal compute
+            wire.poll_readable(self.sock, self.spin_s)
         kind, nbytes = HEADER.unpack(wire.recv_exact(self.sock, HEADER.size, self._what))
         if kind == KIND_SHM_READY:
             self._ready.append(nbytes)
