@@ -131,7 +131,8 @@ def _unreachable(peer: int, peer_host: str, addr: str, exc: Exception) -> PeerDi
         "the interface of the network the hosts share, or HVD_SPARK_ADVERTISE_ADDR")
 
 
-def _unix_listener(secret: bytes, epoch: int, rank: int) -> tuple[socket.socket | None, str]:
+def _unix_listener(secret: bytes, epoch: int, rank: int,
+                   backlog: int) -> tuple[socket.socket | None, str]:
     """A Unix socket in Linux's abstract namespace for ranks on this host to dial (no
     file to clean up; named from the job's secret, epoch and rank), or (None, "")."""
     if not hasattr(socket, "AF_UNIX") or not sys.platform.startswith("linux"):
@@ -141,7 +142,7 @@ def _unix_listener(secret: bytes, epoch: int, rank: int) -> tuple[socket.socket 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind("\0" + name)
-        listener.listen(64)
+        listener.listen(backlog)
     except OSError as exc:
         log.debug("no Unix socket for local ranks (%s); they connect over TCP", exc)
         listener.close()
@@ -149,8 +150,7 @@ def _unix_listener(secret: bytes, epoch: int, rank: int) -> tuple[socket.socket 
     return listener, name
 
 
-def _dial(purpose: str, peer: int, info: tuple, hostname: str, secret: bytes,
-          left: float) -> socket.socket:
+def _dial(peer: int, info: tuple, hostname: str, secret: bytes, left: float) -> socket.socket:
     """Connect to ``peer``: through its Unix socket when it runs on this host (a tenth of
     the per-message cost of loopback TCP), else (or when that fails) over TCP."""
     host, port, peer_host, unix_name = (*info, "")[:4]
@@ -191,8 +191,10 @@ def build_mesh(
             TCP, as with shared memory off, so a run measures what crosses hosts).
     """
     addr = advertise_addr or store.local_address
-    listener = socket.create_server((addr, 0), backlog=max(16, 2 * size))
-    unix, unix_name = _unix_listener(secret, epoch, rank) if local_sockets else (None, "")
+    backlog = max(16, 2 * size)  # every other rank may dial at once, twice (data, control)
+    listener = socket.create_server((addr, 0), backlog=backlog)
+    unix, unix_name = (_unix_listener(secret, epoch, rank, backlog) if local_sockets
+                       else (None, ""))
     expected = {(DATA, r) for r in range(rank + 1, size)}
     if rank == 0:
         expected |= {(CONTROL, r) for r in range(1, size)}
@@ -207,7 +209,7 @@ def build_mesh(
         dials = [(DATA, r) for r in range(rank)] + ([(CONTROL, 0)] if rank > 0 else [])
         for purpose, peer in dials:
             left = max(1.0, deadline - time.monotonic())
-            sock = _dial(purpose, peer, peers[peer], hostname, secret, left)
+            sock = _dial(peer, peers[peer], hostname, secret, left)
             wire.send_obj(sock, (purpose, rank), f"rank {peer}")
             (data if purpose == DATA else control)[peer] = sock
         acceptor.wait(deadline)

@@ -33,6 +33,8 @@ HANDSHAKE_TIMEOUT_S = 10.0
 MAX_FRAME_BYTES = 1 << 34
 # Frames up to this size are read with one plain recv first (control messages).
 _ONE_RECV_BYTES = 64 * 1024
+# select() takes file descriptors below this only (FD_SETSIZE).
+_SELECT_FD_LIMIT = 1024
 
 
 def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -86,7 +88,9 @@ def poll_readable(sock: socket.socket, spin_s: float) -> None:
     9-byte notice on a VM) and wakes up late itself; a polling one costs a microsecond
     or two per look, and its sender nothing extra.
     """
-    if spin_s <= 0 or select.select([sock], [], [], 0.0)[0]:
+    if spin_s <= 0 or sock.fileno() >= _SELECT_FD_LIMIT:
+        return  # then just block
+    if select.select([sock], [], [], 0.0)[0]:
         return
     until = time.monotonic() + spin_s
     while time.monotonic() < until:
