@@ -156,7 +156,7 @@ def _dial(peer: int, info: tuple, hostname: str, secret: bytes, left: float) -> 
     host, port, peer_host, unix_name = (*info, "")[:4]
     if unix_name and peer_host == hostname:
         try:
-            return wire.connect_unix(unix_name, secret, min(left, _LOCAL_DIAL_S), f"rank {peer}")
+            return wire.connect_unix(unix_name, secret, min(left, _LOCAL_DIAL_S))
         except (PeerDisconnectedError, OSError) as exc:
             # Same hostname but another network namespace (a container): TCP reaches it.
             log.debug("rank %d's Unix socket is not reachable (%s); dialling TCP", peer, exc)

@@ -187,24 +187,27 @@ def connect(
                 ) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
-    tune(sock)
-    try:
-        authenticate_client(sock, secret)
-    except BaseException:
-        sock.close()
-        raise
-    sock.settimeout(timeout)
-    return sock
+    return _authenticated(sock, secret, timeout)
 
 
-def connect_unix(name: str, secret: bytes, timeout: float, what: str = "server") -> socket.socket:
+def connect_unix(name: str, secret: bytes, timeout: float) -> socket.socket:
     """Dial the Unix socket ``name`` (Linux abstract namespace) of a rank on this host,
     authenticate as over TCP, and return it; raises OSError when nobody listens there."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
         sock.connect("\0" + name)
-        tune(sock)
+    except BaseException:
+        sock.close()
+        raise
+    return _authenticated(sock, secret, timeout)
+
+
+def _authenticated(sock: socket.socket, secret: bytes, timeout: float) -> socket.socket:
+    """Tune a freshly connected socket and run the client handshake (closing it on
+    failure); it keeps ``timeout`` as every later wait's deadline."""
+    tune(sock)
+    try:
         authenticate_client(sock, secret)
     except BaseException:
         sock.close()
