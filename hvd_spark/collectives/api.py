@@ -96,6 +96,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             if world.rendezvous_addr and _env.get_str(_env.HEARTBEAT):
                 _start_heartbeat(wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR),
                                  world.secret, str(world.rank))
+        # Polling or not depends on how many ranks share this host's CPUs: settled once.
+        config = dataclasses.replace(
+            config, spin_us=config.spin_seconds(world.local_size) * 1e6)
         if own_world is not None:
             pass
         elif not world.rendezvous_addr:
@@ -120,9 +123,6 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
                 sock.settimeout(config.timeout)
             comm_, control = factory(world, config, mesh.data), mesh.control
         if own_world is None:
-            # Whether to spin depends on the ranks sharing this host's CPUs.
-            spin_us = config.spin_seconds(world.local_size) * 1e6
-            config = dataclasses.replace(config, spin_us=spin_us)
             _engine = Engine(world.rank, world.size, comm_, control, config)
             hosts = mesh.hosts if world.rendezvous_addr else {0: world.hostname}
         _world = world

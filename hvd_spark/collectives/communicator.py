@@ -9,9 +9,8 @@ guarantees that before it calls.
 from __future__ import annotations
 
 import abc
-import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,26 +18,31 @@ from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.errors import BackendUnavailableError
 
-_waiting = threading.local()
+
+class _Waiting(threading.local):
+    depth = 0  # per thread: how many caller_waiting blocks it is inside
 
 
-@contextlib.contextmanager
-def caller_waiting() -> Iterator[None]:
+_waiting = _Waiting()
+
+
+class caller_waiting:  # noqa: N801 - used like a function: ``with caller_waiting():``
     """Mark this thread as one whose caller waits for the result (the engine wraps a
     waiting caller's progress in it): backends may then poll for their peers' messages
     before blocking. A background thread overlapping the caller's compute must not poll,
-    or it takes the CPU that compute needs."""
-    before = getattr(_waiting, "on", False)
-    _waiting.on = True
-    try:
-        yield
-    finally:
-        _waiting.on = before
+    or it takes the CPU that compute needs. (A class, not a generator: it wraps every
+    slice of a waiting caller's progress.)"""
+
+    def __enter__(self) -> None:
+        _waiting.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _waiting.depth -= 1
 
 
 def may_poll() -> bool:
     """Whether this thread runs a waiting caller's operation (see ``caller_waiting``)."""
-    return getattr(_waiting, "on", False)
+    return _waiting.depth > 0
 
 
 class Communicator(abc.ABC):

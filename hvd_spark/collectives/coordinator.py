@@ -17,13 +17,7 @@ import numpy as np
 
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives.messages import Request, Response
-from hvd_spark.collectives.ops import (
-    ReduceOp,
-    check_dtype,
-    check_reduction,
-    finish_reduction,
-    reduce_into,
-)
+from hvd_spark.collectives.ops import ReduceOp, check_dtype, check_reduction, reduce_rows
 from hvd_spark.errors import CollectiveError
 
 
@@ -147,17 +141,6 @@ def eager_result(group: list[dict[int, Request]]) -> np.ndarray | None:
         return None
     dtype = m.dtype_of(first.dtype)
     ranks = sorted(group[0])
-    if len(group) == 1:
-        # One tensor (a lone small allreduce): no concatenation, one copy.
-        count = math.prod(first.shape)
-        payloads = [group[0][r].payload for r in ranks]
-        if any(p is None or p.dtype != dtype or p.size != count for p in payloads):
-            return None
-        out = payloads[0].reshape(-1).copy()  # never a payload: rank 0's is the caller's
-        for payload in payloads[1:]:
-            reduce_into(out, payload.reshape(-1), op)
-        finish_reduction(out, op, first.postscale, len(ranks))
-        return out
     per_rank: list[list[np.ndarray]] = [[] for _ in ranks]
     for requests in group:
         count = math.prod(next(iter(requests.values())).shape)
@@ -167,12 +150,8 @@ def eager_result(group: list[dict[int, Request]]) -> np.ndarray | None:
                 return None
             per_rank[i].append(payload.reshape(-1))
     rows = [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in per_rank]
-    # The result must not be a payload itself (rank 0's is the caller's array).
-    out = np.array(rows[0], copy=True) if len(per_rank[0]) == 1 else rows[0]
-    for row in rows[1:]:
-        reduce_into(out, row, op)
-    finish_reduction(out, op, first.postscale, len(ranks))
-    return out
+    # A lone tensor's row 0 is a payload (rank 0's is the caller's array): never reuse it.
+    return reduce_rows(rows, op, first.postscale, reuse_first=len(group) > 1)
 
 
 def _alltoall_response(name: str, requests: list[Request], members) -> Response:

@@ -228,13 +228,9 @@ class Engine(EngineCore):
         """
         timeout = 0.0 if self._queue else min(max_wait, self._next_timeout())
         watched = [self._wake_r, *self._control.values()]
-        readable, _, _ = select.select(watched, [], [], 0.0)
-        if not readable and timeout > 0.0:
-            spin_until = time.monotonic() + min(spin, timeout)
-            while not readable and time.monotonic() < spin_until:
-                readable, _, _ = select.select(watched, [], [], 0.0)
-            if not readable:
-                readable, _, _ = select.select(watched, [], [], timeout)
+        readable = wire.poll_readable(watched, min(spin, timeout))
+        if not readable:
+            readable, _, _ = select.select(watched, [], [], timeout)
         new = self._drain_local(self._wake_r in readable)
         tl = timeline.current() if self._coordinator is not None else None
         if tl is not None:

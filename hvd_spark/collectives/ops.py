@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -241,6 +241,24 @@ def finish_reduction(arr: np.ndarray, op: ReduceOp, postscale: float, size: int)
         else:
             finish_average(arr, size)
     scale_in_place(arr, postscale)
+
+
+def reduce_rows(rows: Sequence[np.ndarray], op: ReduceOp, postscale: float,
+                reuse_first: bool = False) -> np.ndarray:
+    """Every rank's flat tensor combined in rank order, then finished (Average's division,
+    ``postscale``): the arithmetic of every reduction done in one place (rank 0's eager
+    result, the MPI response cache), so each gives the same bits.
+
+    Args:
+        rows: One flat array per rank, in rank order.
+        reuse_first: ``rows[0]`` is the caller's scratch and may hold the result;
+            otherwise the result is a new array (``rows[0]`` may be a caller's input).
+    """
+    out = rows[0] if reuse_first else rows[0].copy()
+    for row in rows[1:]:
+        reduce_into(out, row, op)
+    finish_reduction(out, op, postscale, len(rows))
+    return out
 
 
 def _scale_half(arr: np.ndarray, factor: float) -> None:

@@ -127,14 +127,14 @@ def test_poll_readable_returns_on_data_or_when_the_spin_is_over():
 
     a, b = socket.socketpair()
     start = time.monotonic()
-    wire.poll_readable(b, 0.05)  # nothing comes: it gives up after the spin
+    assert wire.poll_readable([b], 0.05) == []  # nothing comes: it gives up after the spin
     assert 0.05 <= time.monotonic() - start < 1.0
     start = time.monotonic()
-    wire.poll_readable(b, 0.0)  # no spin: at once
+    assert wire.poll_readable([b], 0.0) == []  # no spin: at once
     assert time.monotonic() - start < 0.05
     threading.Timer(0.02, lambda: a.sendall(b"x")).start()
     start = time.monotonic()
-    wire.poll_readable(b, 5.0)  # returns when the byte arrives, long before 5 s
+    assert wire.poll_readable([a, b], 5.0) == [b]  # when the byte arrives, long before 5 s
     assert time.monotonic() - start < 2.0 and b.recv(1) == b"x"
     a.close()
     b.close()

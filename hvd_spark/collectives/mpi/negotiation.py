@@ -27,8 +27,6 @@ SLOT_BYTES = 3968
 # Message length, then flags (the engine's; rank 0 says whether its coordinator is idle).
 _HEADER = struct.Struct("<qq")
 ROOM = SLOT_BYTES - _HEADER.size
-# The broadcast header's length asking every rank for the rest of its long message.
-_SEND_REST = -1
 
 
 class Shared(NamedTuple):

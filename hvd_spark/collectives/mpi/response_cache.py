@@ -27,7 +27,7 @@ import numpy as np
 
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives.messages import Request, Response
-from hvd_spark.collectives.ops import ReduceOp, finish_reduction, reduce_into
+from hvd_spark.collectives.ops import ReduceOp, reduce_rows
 
 CACHED = b"C"
 PICKLED = b"P"
@@ -154,9 +154,8 @@ class ResponseCache:
                parts: Sequence[bytes]) -> list[Response]:
         """The eager responses of an agreed round, reduced here from every rank's tensors.
 
-        As ``coordinator.eager_result``: rank 0's tensor, then each rank's folded in, in
-        rank order, then the reduction finished; each element's arithmetic is the same on
-        every rank, so every rank gets the same bits.
+        With ``ops.reduce_rows``, as ``coordinator.eager_result``: each element's
+        arithmetic is the same on every rank, so every rank gets the same bits.
         """
         numbers, names, offset = agreed
         out = []
@@ -166,10 +165,8 @@ class ResponseCache:
                 continue
             known = self._known[number >> 1]
             dtype, count = known.dtype, known.count
-            total = np.frombuffer(parts[0], dtype, count, offset).copy()
-            for part in parts[1:]:
-                reduce_into(total, np.frombuffer(part, dtype, count, offset), known.op)
-            finish_reduction(total, known.op, known.postscale, len(parts))
+            total = reduce_rows([np.frombuffer(part, dtype, count, offset) for part in parts],
+                                known.op, known.postscale)
             offset += count * dtype.itemsize
             out.append(Response(m.ALLREDUCE, (name,), data=total))
         return out

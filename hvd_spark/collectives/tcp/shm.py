@@ -114,7 +114,7 @@ class ShmLink(Link):
     def _pump(self) -> None:
         """Read one notice from the peer and account for it."""
         if may_poll():  # for a waiting caller only: a background thread would steal compute
-            wire.poll_readable(self.sock, self.spin_s)
+            wire.poll_readable([self.sock], self.spin_s)
         kind, nbytes = HEADER.unpack(wire.recv_exact(self.sock, HEADER.size, self._what))
         if kind == KIND_SHM_READY:
             self._ready.append(nbytes)
