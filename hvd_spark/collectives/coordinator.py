@@ -292,6 +292,10 @@ class Coordinator:
                 self._eager_inputs[name] = entry
         self._ready[name] = response
 
+    def waiting_for(self, name: str) -> bool:
+        """True when some rank asked for ``name`` and the others have not yet."""
+        return name in self._table
+
     def has_ready(self) -> bool:
         """True when responses are waiting to be sent."""
         return bool(self._ready)

@@ -19,11 +19,13 @@ import socket
 import threading
 import time
 
+from hvd_spark.collectives import messages as m
 from hvd_spark.collectives import timeline
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
 from hvd_spark.collectives.operations import Entry
+from hvd_spark.collectives.pairing import PairTable, decide, pairable
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import (
@@ -41,6 +43,8 @@ _ABORT_SEND_S = 1.0
 # thread this long to come and wait (a synchronous call does at once): then that thread
 # runs the operation itself, instead of receiving the result across threads.
 _GRACE_S = 200e-6
+# How often rank 0 looks for paired requests waiting too long (stall warning, timeout).
+_PAIR_CHECK_S = 0.1
 
 
 class Engine(EngineCore):
@@ -67,6 +71,12 @@ class Engine(EngineCore):
         self._coordinator = (Coordinator(size, config.fusion_threshold, self.eager_bytes)
                              if rank == 0 else None)
         self._start_autotune(self._coordinator)
+        # Two ranks decide their small allreduces alone (see ``pairing``); under _lock.
+        self._pairs = PairTable() if size == 2 else None
+        self._pair_warned: set[str] = set()
+        self._next_pair_check = 0.0
+        #: Allreduces the two ranks decided alone (see ``pairing``).
+        self.paired = 0
         self._send_lock = threading.Lock()
         # A caller waiting for its operation polls this long before sleeping in select
         # (init() resolves the setting against the ranks on this host).
@@ -97,6 +107,15 @@ class Engine(EngineCore):
 
     def _send_requests(self, entries: list[Entry]) -> None:
         """Tell the coordinator straight from the caller's thread: one hop less per op."""
+        ready = False
+        if self._pairs is not None:
+            now = time.monotonic()
+            with self._lock:
+                for entry in entries:
+                    if pairable(entry.request):
+                        name = entry.request.name
+                        self._pairs.own[name] = (entry.request, now)
+                        ready = ready or name in self._pairs.peer
         try:
             with self._send_lock:
                 wire.send_obj(self._control[0], ("req", [e.request for e in entries]), "rank 0")
@@ -105,9 +124,13 @@ class Engine(EngineCore):
                 for entry in entries:
                     self._pending.pop(entry.request.name, None)
                     self._names_in_flight.discard(entry.request.name)
+                if self._pairs is not None:
+                    self._pairs.drop(e.request.name for e in entries)
                 if self._failure is None:
                     self._failure = exc
             raise self._error_for(entries[0].request.name) from exc
+        if ready and not self._parked:
+            self._wake()  # rank 0's copy came first: decide now even if nobody waits
 
     def _driver_arrived(self) -> None:
         if self._watching:
@@ -226,7 +249,8 @@ class Engine(EngineCore):
         a small operation's answer usually comes within it, and waking from a sleep costs
         more than the whole operation does on a VM.
         """
-        timeout = 0.0 if self._queue else min(max_wait, self._next_timeout())
+        decided = self._run_pairs()
+        timeout = 0.0 if self._queue or decided else min(max_wait, self._next_timeout())
         watched = [self._wake_r, *self._control.values()]
         readable = wire.poll_readable(watched, min(spin, timeout))
         if not readable:
@@ -238,15 +262,94 @@ class Engine(EngineCore):
             for entry in new:
                 tl.negotiate_start(timeline_row(entry.request.name, entry.request.kind),
                                    entry.request.kind)
-        if self._coordinator is not None:
-            now = time.monotonic()
-            for entry in new:
-                self._coordinator.add(self.rank, entry.request, now)
+        if self._coordinator is not None and new:
+            self._add_own(new)
         for sock in readable:
             if sock is not self._wake_r:
                 self._on_control(self._sock_rank[sock.fileno()], sock)
+        if self._pairs is not None:
+            self._run_pairs()
         if self._coordinator is not None:
             self._coordinate()
+
+    def _add_own(self, new: list[Entry]) -> None:
+        """Rank 0: its own new requests, to the coordinator or (paired) to rank 1."""
+        coord, pairs = self._coordinator, self._pairs
+        now = time.monotonic()
+        if pairs is None:
+            for entry in new:
+                coord.add(0, entry.request, now)
+            return
+        pairing = self._pairing_open()
+        copies = []
+        for entry in new:
+            request = entry.request
+            if pairing and pairable(request):
+                with self._lock:
+                    pairs.own[request.name] = (request, now)
+                copies.append(request)
+                continue
+            with self._lock:
+                held = pairs.peer.pop(request.name, None)
+            if held is not None:  # rank 1 paired it, rank 0 cannot: the coordinator decides
+                coord.add(1, held[0], held[1])
+            coord.add(0, request, now)
+        if copies:
+            with self._send_lock:
+                wire.send_obj(self._control[1], ("pair", copies), "rank 1")
+
+    def _pairing_open(self) -> bool:
+        """Rank 0: whether new requests may be paired (the coordinator would add nothing)."""
+        coord = self._coordinator
+        return (not coord.joined and not coord.departed and self._tuner is None
+                and timeline.current() is None and not self._stopping)
+
+    def _add_peer(self, request: m.Request, now: float) -> None:
+        """Rank 0: one of rank 1's requests, paired, held, or to the coordinator."""
+        coord, pairs, name = self._coordinator, self._pairs, request.name
+        with self._lock:
+            own = pairs.own.get(name)
+            if pairable(request) and (own is not None or (
+                    self._pairing_open() and not coord.waiting_for(name))):
+                pairs.peer[name] = (request, now)  # decided now, or once rank 0 asks
+                return
+            if own is not None:  # rank 1's cannot be paired: neither can rank 0's
+                del pairs.own[name]
+        if own is not None:
+            coord.add(0, own[0], own[1])
+        coord.add(1, request, now)
+
+    def _run_pairs(self) -> bool:
+        """Decide and run every name both ranks have paired; True when one ran."""
+        pairs = self._pairs
+        if not pairs:
+            return False
+        with self._lock:
+            matched = pairs.matched()
+        for name, own, peer in matched:
+            if self._pair_warned:
+                self._pair_warned.discard(name)
+            first, second = (own, peer) if self.rank == 0 else (peer, own)
+            self._execute(decide(name, first, second))
+            self.paired += 1
+        return bool(matched)
+
+    def _release_pairs(self) -> None:
+        """Rank 0, once a rank joined or left: what waits to be paired goes to the
+        coordinator instead (rank 0's own only when rank 1 can no longer ask for them,
+        or it might decide them alone while the coordinator does too)."""
+        coord, pairs = self._coordinator, self._pairs
+        with self._lock:
+            peer = list(pairs.peer.values())
+            pairs.peer.clear()
+            own = []
+            if 1 in coord.joined or coord.departed:
+                own = list(pairs.own.values())
+                pairs.own.clear()
+        for request, since in own:
+            coord.add(0, request, since)
+        for request, since in peer:
+            coord.add(1, request, since)
 
     def _drain_wake(self) -> None:
         try:
@@ -282,9 +385,20 @@ class Engine(EngineCore):
                     row = timeline_row(request.name, request.kind)
                     tl.negotiate_start(row, request.kind)
                     tl.negotiate_rank_ready(row, peer)
-                self._coordinator.add(peer, request, now)
+                if self._pairs is not None:
+                    self._add_peer(request, now)
+                else:
+                    self._coordinator.add(peer, request, now)
+        elif kind == "pair":
+            now = time.monotonic()
+            with self._lock:
+                for request in payload:
+                    self._pairs.peer[request.name] = (request, now)
         elif kind == "resp":
             for response in payload:
+                if self._pairs:
+                    with self._lock:
+                        self._pairs.drop(response.names)
                 self._execute(response)
         elif kind == "abort":
             raise PeerDisconnectedError(f"{payload} (as rank 0 saw it)")
@@ -320,6 +434,8 @@ class Engine(EngineCore):
         limit = self.config.timeout
         if self.config.stall_shutdown > 0:
             limit = min(limit, self.config.stall_shutdown)
+        if self._pairs:
+            self._check_pairs(now, limit)
         coord.expire(now, limit)
         if not coord.has_ready() or self._cycle_remaining() > 0:
             return
@@ -330,6 +446,41 @@ class Engine(EngineCore):
             wire.send_obj(sock, ("resp", responses), f"rank {peer}")
         for response in responses:
             self._execute(response)
+
+    def _check_pairs(self, now: float, limit: float) -> None:
+        """Rank 0: stall warnings and the timeout for requests waiting to be paired."""
+        coord, pairs = self._coordinator, self._pairs
+        if coord.joined or coord.departed:
+            self._release_pairs()
+        if now < self._next_pair_check:
+            return
+        self._next_pair_check = now + _PAIR_CHECK_S
+        oldest = pairs.oldest()
+        if oldest is None or now - oldest <= self.config.stall_warning:
+            return
+        with self._lock:
+            own = [(n, t) for n, (_, t) in pairs.own.items() if now - t > limit]
+            peer = [(n, q, t) for n, (q, t) in pairs.peer.items() if now - t > limit]
+            for name, *_ in own + peer:
+                pairs.drop([name])
+            waiting = [(n, 0 if n in pairs.peer else 1) for n, (_, t) in
+                       [*pairs.own.items(), *pairs.peer.items()]
+                       if now - t > self.config.stall_warning and n not in self._pair_warned]
+            self._pair_warned.update(n for n, _ in waiting)
+        for name, missing in waiting:
+            log.warning(
+                "collective %r has waited over %.0f s for ranks %s; they may be stuck or call "
+                "collectives with other names", name, self.config.stall_warning, [missing])
+        for _, request, since in peer:  # rank 1 expects the coordinator's answer
+            coord.add(1, request, since)
+        for name, _ in own:  # rank 1 never asked: fail rank 0's own, as expire() would
+            self._pair_warned.discard(name)
+            with self._lock:
+                entry = self._pending.pop(name, None)
+            if entry is not None:
+                self._complete(entry, error=CollectiveError(
+                    f"collective {name!r}: ranks [1] did not submit it within {limit} s "
+                    "(a rank is stuck, or ranks call collectives in different orders/names)"))
 
     def _leave(self) -> None:
         """Graceful exit: everyone says bye to rank 0, which releases all once all did."""

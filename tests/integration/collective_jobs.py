@@ -140,6 +140,60 @@ def eager_paths() -> dict:
     return out
 
 
+def paired_decisions() -> dict:
+    """Two ranks decide small allreduces alone (``pairing``): exact, in any submission
+    order, and through rank 0 wherever one side cannot pair."""
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    r = hvd.rank()
+    engine = api._engine
+    out: dict = {}
+    before = engine.paired
+    names = ["loss", "acc", "count"]
+    steps = []
+    for step in range(30):  # the same names every step, in opposite orders on the ranks
+        order = names if (r + step) % 2 == 0 else names[::-1]
+        handles = {nm: hvd.allreduce_async(np.array([step * 10.0 + i + r]), name=nm,
+                                           op=hvd.Sum)
+                   for i, nm in ((names.index(nm), nm) for nm in order)}
+        steps.append([float(hvd.synchronize(handles[nm])[0]) for nm in names])
+    out["steps"] = steps
+    out["paired"] = engine.paired - before
+    # One rank's tensor rides along, the other's is too large to: both fail alike.
+    limit_rows = engine.eager_bytes // 8
+    for small in (0, 1):
+        rows = 2 if r == small else limit_rows + 1
+        try:
+            hvd.allreduce(np.ones(rows), name=f"mixed{small}")
+            out[f"mixed{small}"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test compares the messages
+            out[f"mixed{small}"] = f"{type(exc).__name__}: {exc}"
+    before = engine.paired
+    out["after"] = hvd.allreduce(np.ones(2) * (r + 1), op=hvd.Sum).tolist()
+    if r == 1:
+        time.sleep(0.3)  # rank 0's request waits for rank 1's
+    out["late1"] = hvd.allreduce(np.array([r + 1.0]), name="late1", op=hvd.Sum).tolist()
+    if r == 0:
+        time.sleep(0.3)  # rank 0 holds rank 1's request until it asks too
+    out["late0"] = hvd.allreduce(np.array([r + 2.0]), name="late0", op=hvd.Sum).tolist()
+    out["paired_again"] = engine.paired - before
+    # A process set's allreduce goes through rank 0 (here each rank alone in its own).
+    sets = [hvd.add_process_set([0]), hvd.add_process_set([1])]
+    before = engine.paired
+    out["set"] = hvd.allreduce(np.ones(2) * (r + 1), op=hvd.Sum, process_set=sets[r]).tolist()
+    out["set_paired"] = engine.paired - before
+    hvd.barrier()
+    # Rank 1 joins at once; rank 0's allreduces then take rank 1's zeros.
+    if r == 0:
+        out["joined"] = [hvd.allreduce(np.ones(2) * 5, name=f"j{i}", op=hvd.Sum).tolist()
+                         for i in range(3)]
+    out["last_joined"] = hvd.join()
+    out["after_join"] = hvd.allreduce(np.ones(1) * (r + 1), op=hvd.Sum).tolist()
+    hvd.shutdown()
+    return out
+
+
 def freeze_rank_one() -> None:
     """Rank 1 stops itself (SIGSTOP) between two allreduces: only a heartbeat notices."""
     import os

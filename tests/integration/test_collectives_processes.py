@@ -53,6 +53,25 @@ def test_eager_small_allreduces_match_numpy_and_agree_bitwise(num_proc):
         assert out["eager_count"] >= 22
 
 
+def test_two_ranks_decide_small_allreduces_alone_and_fall_back_to_rank_0():
+    results = run_local(jobs.paired_decisions, num_proc=2)
+    for r, out in enumerate(results):
+        assert out["steps"] == [[20.0 * s + 2 * i + 1 for i in range(3)] for s in range(30)]
+        assert out["paired"] == 90, f"rank {r} went through rank 0"
+        for small in (0, 1):  # the same shape error on both ranks, named
+            assert "mixed" + str(small) in out[f"mixed{small}"]
+            assert "shape" in out[f"mixed{small}"]
+        assert out["after"] == [3.0, 3.0]
+        assert out["late1"] == [3.0] and out["late0"] == [5.0]
+        assert out["paired_again"] == 3
+        assert out["set"] == [r + 1.0] * 2 and out["set_paired"] == 0
+        assert out["last_joined"] in (0, 1)
+        assert out["after_join"] == [3.0]
+    assert results[0]["mixed0"] == results[1]["mixed0"]
+    assert results[0]["mixed1"] == results[1]["mixed1"]
+    assert results[0]["joined"] == [[5.0, 5.0]] * 3
+
+
 @pytest.mark.parametrize("num_proc,env", [
     (2, {}),
     (3, {"HVD_SPARK_DISABLE_SHM": "1"}),
