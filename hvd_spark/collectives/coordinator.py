@@ -35,7 +35,7 @@ _SAME_EVERYWHERE = (m.ALLREDUCE, m.BROADCAST, m.BARRIER)
 
 
 @functools.lru_cache(maxsize=256)
-def _request_problem(kind: str, dtype: str, op: int, prescale: float, postscale: float,
+def request_problem(kind: str, dtype: str, op: int, prescale: float, postscale: float,
                      root: int, size: int) -> str | None:
     """Whether a request all ranks agree on is still invalid (None: fine); cached, since
     a training loop asks the same few questions every step."""
@@ -64,7 +64,7 @@ def validate(name: str, requests: dict[int, Request], size: int) -> Response:
     if (first.kind in _SAME_EVERYWHERE and first.error is None
             and all(q == first for q in requests.values())):
         # The usual case: every rank asked for the same; only the request itself can be bad.
-        problem = _request_problem(first.kind, first.dtype, first.op, first.prescale,
+        problem = request_problem(first.kind, first.dtype, first.op, first.prescale,
                                    first.postscale, first.root, size)
         if problem is None:
             return Response(first.kind, (name,), members=first.members)

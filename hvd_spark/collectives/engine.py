@@ -25,7 +25,7 @@ from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
 from hvd_spark.collectives.operations import Entry
-from hvd_spark.collectives.pairing import PairTable, decide, pairable
+from hvd_spark.collectives.pairing import PairTable, disagreement, pairable, reduce_pair
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import (
@@ -94,31 +94,51 @@ class Engine(EngineCore):
     # ------------------------------------------------------------------ caller side
 
     def _queues_locally(self) -> bool:
-        return self._coordinator is not None
+        return False  # rank 0 queues in _submitted, after taking out what it pairs
 
     def _submitted(self, entries: list[Entry]) -> None:
+        ready, rest = self._pair_own(entries) if self._pairs is not None else (False, entries)
         if self._coordinator is None:
             # The response wakes the background thread, or a waiting caller reads it.
-            self._send_requests(entries)
-        elif not self._parked:
+            self._send(0, "req", [e.request for e in entries], entries)
+        elif rest:
+            with self._lock:
+                self._queue.extend(rest)
+            ready = True
+        if ready and not self._parked:
             # Parked, it looks again within PARK_S unless a caller drives first; not
             # waking it spares a synchronous call a GIL hand-off.
             self._wake()
 
-    def _send_requests(self, entries: list[Entry]) -> None:
-        """Tell the coordinator straight from the caller's thread: one hop less per op."""
-        ready = False
-        if self._pairs is not None:
-            now = time.monotonic()
-            with self._lock:
-                for entry in entries:
-                    if pairable(entry.request):
-                        name = entry.request.name
-                        self._pairs.own[name] = (entry.request, now)
-                        ready = ready or name in self._pairs.peer
+    def _pair_own(self, entries: list[Entry]) -> tuple[bool, list[Entry]]:
+        """Record this rank's requests that the two ranks decide alone; rank 0 also sends
+        rank 1 a copy of them, from this thread, so that it leaves at once.
+
+        Returns:
+            Whether a pair is complete now, and the entries not paired.
+        """
+        pairs, now = self._pairs, time.monotonic()
+        paired, rest, ready = [], [], False
+        with self._lock:
+            pairing = self._coordinator is None or self._pairing_open()
+            for entry in entries:
+                request = entry.request
+                if pairing and pairable(request):
+                    pairs.own[request.name] = (request, now)
+                    ready = ready or request.name in pairs.peer
+                    paired.append(request)
+                else:
+                    rest.append(entry)
+        if paired and self._coordinator is not None:
+            self._send(1, "pair", paired, entries)
+        return ready, rest
+
+    def _send(self, peer: int, kind: str, requests: list, entries: list[Entry]) -> None:
+        """Send ``requests`` to ``peer`` from the caller's thread; if that fails, the
+        engine has failed and ``entries`` are withdrawn (their caller gets the error)."""
         try:
             with self._send_lock:
-                wire.send_obj(self._control[0], ("req", [e.request for e in entries]), "rank 0")
+                wire.send_obj(self._control[peer], (kind, requests), f"rank {peer}")
         except HvdSparkError as exc:
             with self._lock:
                 for entry in entries:
@@ -129,8 +149,6 @@ class Engine(EngineCore):
                 if self._failure is None:
                     self._failure = exc
             raise self._error_for(entries[0].request.name) from exc
-        if ready and not self._parked:
-            self._wake()  # rank 0's copy came first: decide now even if nobody waits
 
     def _driver_arrived(self) -> None:
         if self._watching:
@@ -273,30 +291,18 @@ class Engine(EngineCore):
             self._coordinate()
 
     def _add_own(self, new: list[Entry]) -> None:
-        """Rank 0: its own new requests, to the coordinator or (paired) to rank 1."""
+        """Rank 0: its own new requests for the coordinator (with rank 1's, if rank 1
+        paired one that rank 0 could not)."""
         coord, pairs = self._coordinator, self._pairs
         now = time.monotonic()
-        if pairs is None:
-            for entry in new:
-                coord.add(0, entry.request, now)
-            return
-        pairing = self._pairing_open()
-        copies = []
         for entry in new:
             request = entry.request
-            if pairing and pairable(request):
+            if pairs is not None:
                 with self._lock:
-                    pairs.own[request.name] = (request, now)
-                copies.append(request)
-                continue
-            with self._lock:
-                held = pairs.peer.pop(request.name, None)
-            if held is not None:  # rank 1 paired it, rank 0 cannot: the coordinator decides
-                coord.add(1, held[0], held[1])
+                    held = pairs.peer.pop(request.name, None)
+                if held is not None:
+                    coord.add(1, held[0], held[1])
             coord.add(0, request, now)
-        if copies:
-            with self._send_lock:
-                wire.send_obj(self._control[1], ("pair", copies), "rank 1")
 
     def _pairing_open(self) -> bool:
         """Rank 0: whether new requests may be paired (the coordinator would add nothing)."""
@@ -330,9 +336,32 @@ class Engine(EngineCore):
             if self._pair_warned:
                 self._pair_warned.discard(name)
             first, second = (own, peer) if self.rank == 0 else (peer, own)
-            self._execute(decide(name, first, second))
+            error = disagreement(name, first, second)
+            if error is not None:
+                self._execute(error)
+            else:
+                self._finish_pair(name, first, second)
             self.paired += 1
         return bool(matched)
+
+    def _finish_pair(self, name: str, first: m.Request, second: m.Request) -> None:
+        """Reduce an agreed pair straight into this rank's entry and complete it."""
+        with self._lock:
+            entry = self._pending.pop(name, None)
+        if entry is None:
+            raise CollectiveError(f"rank {self.rank} paired {name!r}, which it never submitted")
+        try:
+            reduce_pair(entry.array.reshape(-1), first, second)
+            entry.source = None
+            result = entry.finish(entry.array)
+        except BaseException as exc:
+            self._complete(entry, error=CollectiveError(
+                f"collective {name!r} failed on rank {self.rank}: {exc!r}"))
+            raise
+        self.executed_responses += 1
+        self.executed_tensors += 1
+        self.executed_eager += 1
+        self._complete(entry, result=result)
 
     def _release_pairs(self) -> None:
         """Rank 0, once a rank joined or left: what waits to be paired goes to the
@@ -442,8 +471,9 @@ class Engine(EngineCore):
         self._first_ready = None
         responses = coord.take_responses()
         self._taken(coord, responses)
-        for peer, sock in self._control.items():
-            wire.send_obj(sock, ("resp", responses), f"rank {peer}")
+        with self._send_lock:  # callers' threads send pair copies on these sockets too
+            for peer, sock in self._control.items():
+                wire.send_obj(sock, ("resp", responses), f"rank {peer}")
         for response in responses:
             self._execute(response)
 
@@ -493,8 +523,9 @@ class Engine(EngineCore):
                 self._wait_for(lambda: 0 in self._bye_from)
             else:
                 self._wait_for(lambda: len(self._bye_from) == self.size - 1)
-                for peer, sock in self._control.items():
-                    wire.send_obj(sock, ("bye", None), f"rank {peer}")
+                with self._send_lock:
+                    for peer, sock in self._control.items():
+                        wire.send_obj(sock, ("bye", None), f"rank {peer}")
         except HvdSparkError as exc:
             log.debug("rank %d left without a clean goodbye: %s", self.rank, exc)
 
