@@ -400,12 +400,13 @@ def test_init_outside_launcher_is_a_one_rank_job():
         "0 1 0 1 True", "[1.0, 3.0] [1.0, 1.0]", "[7] [0, 1]", "[0.0, 1.0, 2.0, 3.0] 0", "done"]
 
 
-def test_missing_rank_warns_then_times_out(tmp_path):
+@pytest.mark.parametrize("late", [1, 0])
+def test_missing_rank_warns_then_times_out(tmp_path, late):
     script = tmp_path / "late.py"
     script.write_text(
         "import time, numpy as np, hvd_spark.collectives as hvd\n"
         "hvd.init()\n"
-        "if hvd.rank() == 1:\n"
+        f"if hvd.rank() == {late}:\n"
         "    time.sleep(8)\n"
         "else:\n"
         "    start = time.monotonic()\n"
@@ -417,9 +418,9 @@ def test_missing_rank_warns_then_times_out(tmp_path):
     env = {**os.environ, "HVD_SPARK_TIMEOUT": "3", "HVD_SPARK_STALL_WARNING_TIME": "1"}
     proc = subprocess.run([sys.executable, "-m", "hvd_spark.runner", "-np", "2", sys.executable,
                            str(script)], capture_output=True, text=True, timeout=60, env=env)
-    assert "'lonely' has waited over 1 s for ranks [1]" in proc.stderr
+    assert f"'lonely' has waited over 1 s for ranks [{late}]" in proc.stderr
     raised = [ln for ln in proc.stdout.splitlines() if "RAISED" in ln]
-    assert raised and "ranks [1] did not submit it within 3.0 s" in raised[0]
+    assert raised and f"ranks [{late}] did not submit it within 3.0 s" in raised[0]
     assert float(raised[0].split()[2]) < 6
 
 
