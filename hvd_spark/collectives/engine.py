@@ -123,7 +123,7 @@ class Engine(EngineCore):
             pairing = self._coordinator is None or self._pairing_open()
             for entry in entries:
                 request = entry.request
-                if pairing and pairable(request):
+                if pairing and pairable(request) and request.name not in pairs.unpaired:
                     pairs.own[request.name] = (request, now)
                     ready = ready or request.name in pairs.peer
                     paired.append(request)
@@ -300,6 +300,7 @@ class Engine(EngineCore):
             if pairs is not None:
                 with self._lock:
                     held = pairs.peer.pop(request.name, None)
+                    pairs.unpaired.discard(request.name)
                 if held is not None:
                     coord.add(1, held[0], held[1])
             coord.add(0, request, now)
@@ -321,6 +322,8 @@ class Engine(EngineCore):
                 return
             if own is not None:  # rank 1's cannot be paired: neither can rank 0's
                 del pairs.own[name]
+            elif not coord.waiting_for(name):  # rank 0 has yet to ask: it must not pair
+                pairs.unpaired.add(name)  # (its _pair_own checks under this lock)
         if own is not None:
             coord.add(0, own[0], own[1])
         coord.add(1, request, now)
@@ -370,6 +373,7 @@ class Engine(EngineCore):
         coord, pairs = self._coordinator, self._pairs
         with self._lock:
             peer = list(pairs.peer.values())
+            pairs.unpaired.update(pairs.peer)  # rank 0 must not pair them if it asks later
             pairs.peer.clear()
             own = []
             if 1 in coord.joined or coord.departed:
@@ -493,6 +497,7 @@ class Engine(EngineCore):
             peer = [(n, q, t) for n, (q, t) in pairs.peer.items() if now - t > limit]
             for name, *_ in own + peer:
                 pairs.drop([name])
+            pairs.unpaired.update(n for n, *_ in peer)
             waiting = [(n, 0 if n in pairs.peer else 1) for n, (_, t) in
                        [*pairs.own.items(), *pairs.peer.items()]
                        if now - t > self.config.stall_warning and n not in self._pair_warned]

@@ -62,12 +62,15 @@ class PairTable:
     """One rank's paired requests waiting for the other rank's, by name.
 
     ``own`` holds this rank's, ``peer`` the other rank's; each value is the request and
-    when it was recorded (``time.monotonic()``), for stall warnings and the timeout.
+    when it was recorded (``time.monotonic()``), for stall warnings and the timeout. The
+    engine uses it under its lock: callers' threads record, the cycle matches.
     """
 
     def __init__(self) -> None:
         self.own: dict[str, tuple[Request, float]] = {}
         self.peer: dict[str, tuple[Request, float]] = {}
+        #: Rank 0: names rank 1 asked for without pairing; the coordinator decides them.
+        self.unpaired: set[str] = set()
 
     def __bool__(self) -> bool:
         return bool(self.own or self.peer)

@@ -169,6 +169,16 @@ def paired_decisions() -> dict:
             out[f"mixed{small}"] = "no error"
         except Exception as exc:  # noqa: BLE001 - the test compares the messages
             out[f"mixed{small}"] = f"{type(exc).__name__}: {exc}"
+    # Rank 1's unpairable request reaches rank 0 first: rank 0 must not pair its own.
+    if r == 0:
+        time.sleep(0.3)
+    start = time.monotonic()
+    try:
+        hvd.allreduce(np.ones(2 if r == 0 else limit_rows + 1), name="mixed.late")
+        out["mixed_late"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test compares the messages
+        out["mixed_late"] = f"{type(exc).__name__}: {exc}"
+    out["mixed_late_s"] = time.monotonic() - start
     before = engine.paired
     out["after"] = hvd.allreduce(np.ones(2) * (r + 1), op=hvd.Sum).tolist()
     if r == 1:
