@@ -6,6 +6,9 @@ for a name (and they agree), it sends the same ordered response list to all, and
 every rank runs it on the backend. So ranks may issue operations in any order,
 and a disagreement becomes an error on every rank instead of a hang.
 
+With two ranks, small allreduces skip rank 0's decision: each rank sends the other its
+request and both decide alone (see ``pairing``).
+
 The cycle runs on the background thread, or on a caller's thread while it waits
 (``EngineCore.wait``); the background thread parks meanwhile, so the two never
 race for a control socket's messages.
