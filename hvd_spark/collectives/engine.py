@@ -511,14 +511,16 @@ class Engine(EngineCore):
                 "collectives with other names", name, self.config.stall_warning, [missing])
         for _, request, since in peer:  # rank 1 expects the coordinator's answer
             coord.add(1, request, since)
-        for name, _ in own:  # rank 1 never asked: fail rank 0's own, as expire() would
+        for name, _ in own:
+            # Rank 1 never asked: the error expire() would give, on both ranks; rank 1
+            # also drops rank 0's copy, so a late request of its own fails there too.
             self._pair_warned.discard(name)
-            with self._lock:
-                entry = self._pending.pop(name, None)
-            if entry is not None:
-                self._complete(entry, error=CollectiveError(
-                    f"collective {name!r}: ranks [1] did not submit it within {limit} s "
-                    "(a rank is stuck, or ranks call collectives in different orders/names)"))
+            response = m.Response(m.ALLREDUCE, (name,), error=(
+                f"collective {name!r}: ranks [1] did not submit it within {limit} s "
+                "(a rank is stuck, or ranks call collectives in different orders/names)"))
+            with self._send_lock:
+                wire.send_obj(self._control[1], ("resp", [response]), "rank 1")
+            self._execute(response)
 
     def _leave(self) -> None:
         """Graceful exit: everyone says bye to rank 0, which releases all once all did."""

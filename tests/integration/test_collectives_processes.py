@@ -409,12 +409,18 @@ def test_missing_rank_warns_then_times_out(tmp_path, late):
         "hvd.init()\n"
         f"if hvd.rank() == {late}:\n"
         "    time.sleep(8)\n"
+        "    try:\n"  # too late: it fails too, and does not pair with a stale request
+        "        hvd.allreduce(np.ones(2), name='lonely')\n"
+        "        print('LATE OK')\n"
+        "    except Exception as exc:\n"
+        "        print(f'LATE RAISED {exc}')\n"
         "else:\n"
         "    start = time.monotonic()\n"
         "    try:\n"
         "        hvd.allreduce(np.ones(2), name='lonely')\n"
         "    except Exception as exc:\n"
         "        print(f'RAISED {time.monotonic() - start:.1f} {exc}')\n"
+        "    time.sleep(9)\n"  # alive while the late rank's call times out
     )
     env = {**os.environ, "HVD_SPARK_TIMEOUT": "3", "HVD_SPARK_STALL_WARNING_TIME": "1"}
     proc = subprocess.run([sys.executable, "-m", "hvd_spark.runner", "-np", "2", sys.executable,
@@ -423,6 +429,7 @@ def test_missing_rank_warns_then_times_out(tmp_path, late):
     raised = [ln for ln in proc.stdout.splitlines() if "RAISED" in ln]
     assert raised and f"ranks [{late}] did not submit it within 3.0 s" in raised[0]
     assert float(raised[0].split()[2]) < 6
+    assert "LATE RAISED" in proc.stdout and "LATE OK" not in proc.stdout
 
 
 _FAST_AUTOTUNE = {"HVD_SPARK_AUTOTUNE": "1", "HVD_SPARK_AUTOTUNE_WARMUP_SAMPLES": "1",
