@@ -100,48 +100,87 @@ class Engine(EngineCore):
         return False  # rank 0 queues in _submitted, after taking out what it pairs
 
     def _submitted(self, entries: list[Entry]) -> None:
-        ready, rest = self._pair_own(entries) if self._pairs is not None else (False, entries)
         if self._coordinator is None:
-            # The response wakes the background thread, or a waiting caller reads it.
-            self._send(0, "req", [e.request for e in entries], entries)
-        elif rest:
-            with self._lock:
-                self._queue.extend(rest)
-            ready = True
+            ready = self._submit_to_rank_0(entries)
+        else:
+            ready = self._submit_on_rank_0(entries)
         if ready and not self._parked:
             # Parked, it looks again within PARK_S unless a caller drives first; not
             # waking it spares a synchronous call a GIL hand-off.
             self._wake()
 
-    def _pair_own(self, entries: list[Entry]) -> tuple[bool, list[Entry]]:
-        """Record this rank's requests that the two ranks decide alone; rank 0 also sends
-        rank 1 a copy of them, from this thread, so that it leaves at once.
+    def _submit_to_rank_0(self, entries: list[Entry]) -> bool:
+        """Send the requests to rank 0 from the caller's thread (one hop less per op);
+        the response wakes the background thread, or a waiting caller reads it.
+
+        With two ranks, the pairable ones are recorded too (see ``pairing``): pickled
+        first, since once recorded another thread may reduce the result into a tensor
+        that rides along; recorded before they leave, since rank 0's answer may follow;
+        and sent in the order recorded (under the send lock), or a request of a name's
+        next round could reach rank 0 before this one.
 
         Returns:
-            Whether a pair is complete now, and the entries not paired.
+            Whether a pair is complete now (rank 0's copy came first).
         """
-        pairs, now = self._pairs, time.monotonic()
-        paired, rest, ready = [], [], False
-        with self._lock:
-            pairing = self._coordinator is None or self._pairing_open()
-            for entry in entries:
-                request = entry.request
-                if pairing and pairable(request) and request.name not in pairs.unpaired:
-                    pairs.own[request.name] = (request, now)
-                    ready = ready or request.name in pairs.peer
-                    paired.append(request)
-                else:
-                    rest.append(entry)
-        if paired and self._coordinator is not None:
-            self._send(1, "pair", paired, entries)
-        return ready, rest
+        frame = wire.encode_obj(("req", [e.request for e in entries]))
+        ready = False
+        with self._send_lock:  # requests leave in the order they were recorded
+            if self._pairs is not None:
+                ready = self._record_own([e.request for e in entries if pairable(e.request)])
+            self._send(0, frame, entries)
+        return ready
 
-    def _send(self, peer: int, kind: str, requests: list, entries: list[Entry]) -> None:
-        """Send ``requests`` to ``peer`` from the caller's thread; if that fails, the
+    def _submit_on_rank_0(self, entries: list[Entry]) -> bool:
+        """Queue the requests for the coordinator, but for those the two ranks decide
+        alone: those go to rank 1 at once, from this thread.
+
+        The copy is sent under the send lock taken before the requests are recorded, so
+        no response for them (sent under the same lock) can overtake it on the wire.
+
+        Returns:
+            Whether the background thread has something to do now.
+        """
+        rest, ready = entries, False
+        if self._pairs is not None:
+            with self._send_lock:
+                with self._lock:
+                    pairing, unpaired = self._pairing_open(), self._pairs.unpaired
+                    paired, rest = [], []
+                    for entry in entries:
+                        request = entry.request
+                        if pairing and pairable(request) and request.name not in unpaired:
+                            paired.append(entry)
+                        else:
+                            rest.append(entry)
+                    if paired:
+                        # A snapshot before another thread may reduce into the tensors.
+                        frame = wire.encode_obj(("pair", [e.request for e in paired]))
+                        ready = self._record_own([e.request for e in paired], locked=True)
+                if paired:
+                    self._send(1, frame, entries)
+        if rest:
+            with self._lock:
+                self._queue.extend(rest)
+            ready = True
+        return ready
+
+    def _record_own(self, requests: list[m.Request], locked: bool = False) -> bool:
+        """Record this rank's paired ``requests``; True when one's partner is here."""
+        now, pairs = time.monotonic(), self._pairs
+        if not locked:
+            with self._lock:
+                return self._record_own(requests, locked=True)
+        ready = False
+        for request in requests:
+            pairs.own[request.name] = (request, now)
+            ready = ready or request.name in pairs.peer
+        return ready
+
+    def _send(self, peer: int, frame: bytes, entries: list[Entry]) -> None:
+        """Send ``frame`` to ``peer`` (the caller holds the send lock); if that fails, the
         engine has failed and ``entries`` are withdrawn (their caller gets the error)."""
         try:
-            with self._send_lock:
-                wire.send_obj(self._control[peer], (kind, requests), f"rank {peer}")
+            wire.send_frame(self._control[peer], frame, f"rank {peer}")
         except HvdSparkError as exc:
             with self._lock:
                 for entry in entries:
@@ -317,6 +356,7 @@ class Engine(EngineCore):
     def _add_peer(self, request: m.Request, now: float) -> None:
         """Rank 0: one of rank 1's requests, paired, held, or to the coordinator."""
         coord, pairs, name = self._coordinator, self._pairs, request.name
+        self._match_previous(name)
         with self._lock:
             own = pairs.own.get(name)
             if pairable(request) and (own is not None or (
@@ -326,10 +366,33 @@ class Engine(EngineCore):
             if own is not None:  # rank 1's cannot be paired: neither can rank 0's
                 del pairs.own[name]
             elif not coord.waiting_for(name):  # rank 0 has yet to ask: it must not pair
-                pairs.unpaired.add(name)  # (its _pair_own checks under this lock)
+                pairs.unpaired.add(name)  # (_submit_on_rank_0 checks under this lock)
         if own is not None:
             coord.add(0, own[0], own[1])
         coord.add(1, request, now)
+
+    def _hold_peer(self, request: m.Request, now: float) -> None:
+        """Rank 1: record rank 0's copy of a paired request."""
+        self._match_previous(request.name)
+        with self._lock:
+            self._pairs.peer[request.name] = (request, now)
+
+    def _match_previous(self, name: str) -> None:
+        """Before the other rank's next request of ``name`` is recorded, decide its
+        previous one, still unmatched: it cannot replace that one.
+
+        Its partner is recorded already (each rank records its own before it sends, and
+        the other moves on to the next request of a name only once it has this rank's),
+        unless the other rank broke the protocol.
+        """
+        pairs = self._pairs
+        if name not in pairs.peer:
+            return
+        self._run_pairs()
+        if name in pairs.peer:
+            raise CollectiveError(
+                f"rank {1 - self.rank} sent a second request of {name!r} before its first was "
+                "answered; the ranks disagree on that collective's history")
 
     def _run_pairs(self) -> bool:
         """Decide and run every name both ranks have paired; True when one ran."""
@@ -427,9 +490,8 @@ class Engine(EngineCore):
                     self._coordinator.add(peer, request, now)
         elif kind == "pair":
             now = time.monotonic()
-            with self._lock:
-                for request in payload:
-                    self._pairs.peer[request.name] = (request, now)
+            for request in payload:
+                self._hold_peer(request, now)
         elif kind == "resp":
             for response in payload:
                 if self._pairs:

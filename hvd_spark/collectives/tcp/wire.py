@@ -228,9 +228,15 @@ def recv_frame(sock: socket.socket, what: str = "peer") -> bytes:
     return recv_exact(sock, length, what)
 
 
+def encode_obj(obj: Any) -> bytes:
+    """``obj`` pickled, as ``send_obj`` sends it (for a caller that must take a snapshot
+    before it sends)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def send_obj(sock: socket.socket, obj: Any, what: str = "peer") -> None:
     """Pickle ``obj`` into one frame (only ever sent over authenticated sockets)."""
-    send_frame(sock, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), what)
+    send_frame(sock, encode_obj(obj), what)
 
 
 def recv_obj(sock: socket.socket, what: str = "peer") -> Any:
