@@ -360,7 +360,8 @@ class Engine(EngineCore):
         with self._lock:
             own = pairs.own.get(name)
             if pairable(request) and (own is not None or (
-                    self._pairing_open() and not coord.waiting_for(name))):
+                    self._pairing_open() and not coord.waiting_for(name)
+                    and name not in pairs.unpaired)):
                 pairs.peer[name] = (request, now)  # decided now, or once rank 0 asks
                 return
             if own is not None:  # rank 1's cannot be paired: neither can rank 0's
@@ -401,6 +402,11 @@ class Engine(EngineCore):
             return False
         with self._lock:
             matched = pairs.matched()
+        self._decide(matched)
+        return bool(matched)
+
+    def _decide(self, matched: list[tuple[str, m.Request, m.Request]]) -> None:
+        """Run each matched (name, own, peer) pair on this rank."""
         for name, own, peer in matched:
             if self._pair_warned:
                 self._pair_warned.discard(name)
@@ -411,7 +417,6 @@ class Engine(EngineCore):
             else:
                 self._finish_pair(name, first, second)
             self.paired += 1
-        return bool(matched)
 
     def _finish_pair(self, name: str, first: m.Request, second: m.Request) -> None:
         """Reduce an agreed pair straight into this rank's entry and complete it."""
@@ -438,6 +443,9 @@ class Engine(EngineCore):
         or it might decide them alone while the coordinator does too)."""
         coord, pairs = self._coordinator, self._pairs
         with self._lock:
+            # Complete pairs first, in the same hold: rank 1 may have both halves of
+            # these (and decide them alone) even when it has joined since.
+            matched = pairs.matched()
             peer = list(pairs.peer.values())
             pairs.unpaired.update(pairs.peer)  # rank 0 must not pair them if it asks later
             pairs.peer.clear()
@@ -445,6 +453,7 @@ class Engine(EngineCore):
             if 1 in coord.joined or coord.departed:
                 own = list(pairs.own.values())
                 pairs.own.clear()
+        self._decide(matched)
         for request, since in own:
             coord.add(0, request, since)
         for request, since in peer:
@@ -562,7 +571,8 @@ class Engine(EngineCore):
             peer = [(n, q, t) for n, (q, t) in pairs.peer.items() if now - t > limit]
             for name, *_ in own + peer:
                 pairs.drop([name])
-            pairs.unpaired.update(n for n, *_ in peer)
+            # Late requests of these names go to the coordinator, never to a new pair.
+            pairs.unpaired.update(n for n, *_ in own + peer)
             waiting = [(n, 0 if n in pairs.peer else 1) for n, (_, t) in
                        [*pairs.own.items(), *pairs.peer.items()]
                        if now - t > self.config.stall_warning and n not in self._pair_warned]
