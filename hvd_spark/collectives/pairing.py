@@ -6,7 +6,7 @@ two tensors in rank order with the coordinator's arithmetic (``ops.reduce_rows``
 both ranks hold the same bits. With two ranks, rank 1 already sends its requests to rank
 0; if rank 0 also sends rank 1 a copy of its own, each rank can decide alone as soon as
 it has both: one message each way, crossing, instead of a request, rank 0's work and a
-response one after the other. That halves a small allreduce's latency.
+response one after the other: about a third off a small allreduce's latency here.
 
 Rank 0 stays the authority. It pairs its request only while the coordinator has nothing
 to add (no timeline, autotuner, joined or departed rank), and rank 1 decides a name alone
