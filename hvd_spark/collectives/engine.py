@@ -28,7 +28,8 @@ from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
 from hvd_spark.collectives.operations import Entry
-from hvd_spark.collectives.pairing import PairTable, disagreement, pairable, reduce_pair
+from hvd_spark.collectives.ops import ReduceOp, reduce_rows
+from hvd_spark.collectives.pairing import PairTable, disagreement, pairable
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import (
@@ -126,7 +127,9 @@ class Engine(EngineCore):
         ready = False
         with self._send_lock:  # requests leave in the order they were recorded
             if self._pairs is not None:
-                ready = self._record_own([e.request for e in entries if pairable(e.request)])
+                with self._lock:
+                    ready = self._record_own([e.request for e in entries
+                                              if pairable(e.request)])
             self._send(0, frame, entries)
         return ready
 
@@ -155,7 +158,7 @@ class Engine(EngineCore):
                     if paired:
                         # A snapshot before another thread may reduce into the tensors.
                         frame = wire.encode_obj(("pair", [e.request for e in paired]))
-                        ready = self._record_own([e.request for e in paired], locked=True)
+                        ready = self._record_own([e.request for e in paired])
                 if paired:
                     self._send(1, frame, entries)
         if rest:
@@ -164,12 +167,10 @@ class Engine(EngineCore):
             ready = True
         return ready
 
-    def _record_own(self, requests: list[m.Request], locked: bool = False) -> bool:
-        """Record this rank's paired ``requests``; True when one's partner is here."""
+    def _record_own(self, requests: list[m.Request]) -> bool:
+        """Record this rank's paired ``requests`` (the caller holds the lock); True when
+        one's partner is here."""
         now, pairs = time.monotonic(), self._pairs
-        if not locked:
-            with self._lock:
-                return self._record_own(requests, locked=True)
         ready = False
         for request in requests:
             pairs.own[request.name] = (request, now)
@@ -425,7 +426,9 @@ class Engine(EngineCore):
         if entry is None:
             raise CollectiveError(f"rank {self.rank} paired {name!r}, which it never submitted")
         try:
-            reduce_pair(entry.array.reshape(-1), first, second)
+            # Straight into this rank's output, which may be its own tensor's memory.
+            reduce_rows([first.payload, second.payload], ReduceOp(first.op), first.postscale,
+                        out=entry.array.reshape(-1))
             entry.source = None
             result = entry.finish(entry.array)
         except BaseException as exc:

@@ -244,18 +244,28 @@ def finish_reduction(arr: np.ndarray, op: ReduceOp, postscale: float, size: int)
 
 
 def reduce_rows(rows: Sequence[np.ndarray], op: ReduceOp, postscale: float,
-                reuse_first: bool = False) -> np.ndarray:
+                reuse_first: bool = False, out: np.ndarray | None = None) -> np.ndarray:
     """Every rank's flat tensor combined in rank order, then finished (Average's division,
     ``postscale``): the arithmetic of every reduction done in one place (rank 0's eager
-    result, the MPI response cache), so each gives the same bits.
+    result, the MPI response cache, two ranks deciding alone), so each gives the same bits.
 
     Args:
         rows: One flat array per rank, in rank order.
         reuse_first: ``rows[0]`` is the caller's scratch and may hold the result;
             otherwise the result is a new array (``rows[0]`` may be a caller's input).
+        out: Where to write the result instead (flat, of the rows' size and dtype). It
+            may be ``rows[0]`` or ``rows[1]`` itself: both are read before it is written.
     """
-    out = rows[0] if reuse_first else rows[0].copy()
-    for row in rows[1:]:
+    if out is None:
+        out = rows[0] if reuse_first else rows[0].copy()
+        rest = rows[1:]
+    elif len(rows) > 1:
+        reduce_into(out, rows[1], op, base=rows[0])
+        rest = rows[2:]
+    else:
+        np.copyto(out, rows[0])
+        rest = []
+    for row in rest:
         reduce_into(out, row, op)
     finish_reduction(out, op, postscale, len(rows))
     return out

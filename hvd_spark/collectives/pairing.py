@@ -17,12 +17,10 @@ rank 0's copy when the coordinator's response for that name runs.
 
 from __future__ import annotations
 
-import numpy as np
-
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives.coordinator import request_problem, validate
 from hvd_spark.collectives.messages import Request, Response
-from hvd_spark.collectives.ops import ReduceOp, finish_reduction, reduce_into
+from hvd_spark.collectives.ops import ReduceOp
 
 
 def pairable(request: Request) -> bool:
@@ -35,27 +33,14 @@ def pairable(request: Request) -> bool:
 
 def disagreement(name: str, first: Request, second: Request) -> Response | None:
     """What rank 0's coordinator would answer for rank 0's ``first`` and rank 1's
-    ``second`` when they cannot run (an error response); None when they agree."""
+    ``second`` when they cannot run (an error response); None when they agree (then
+    their tensors have the same shape and dtype: ``ops.reduce_rows`` combines them)."""
     if first == second and first.error is None:  # the usual case: one cached check
-        problem = request_problem(first.kind, first.dtype, first.op, first.prescale,
-                                   first.postscale, first.root, 2)
-        if problem is None and first.payload.size == second.payload.size:
+        if request_problem(first.kind, first.dtype, first.op, first.prescale,
+                           first.postscale, first.root, 2) is None:
             return None
     response = validate(name, {0: first, 1: second}, 2)
-    if response.error is not None:
-        return response
-    return Response(m.ALLREDUCE, (name,), error=(  # never: validate compared the shapes
-        f"allreduce {name!r}: the ranks' tensors hold {first.payload.size} and "
-        f"{second.payload.size} elements"))
-
-
-def reduce_pair(out: np.ndarray, first: Request, second: Request) -> None:
-    """Write rank 0's and rank 1's tensors combined into ``out`` (flat), with the
-    arithmetic of ``ops.reduce_rows``: the same bits on both ranks, and as rank 0's
-    coordinator would compute. ``out`` may be either tensor's own memory."""
-    op = ReduceOp(first.op)
-    reduce_into(out, second.payload, op, base=first.payload)
-    finish_reduction(out, op, first.postscale, 2)
+    return response if response.error is not None else None
 
 
 class PairTable:
