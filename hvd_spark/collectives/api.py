@@ -445,9 +445,30 @@ def allreduce_async_(array: np.ndarray, name: str | None = None, op: ReduceOp = 
     return _start(m.ALLREDUCE, name, process_set, build)
 
 
+def _express(array, name, op, prescale: float, postscale: float, process_set: ProcessSet,
+             inplace: bool) -> tuple[Any, str | None]:
+    """Try the engine's express path for a synchronous allreduce (see
+    ``EngineCore.express_allreduce``).
+
+    Returns:
+        ``(result, name)``: the result, or None with the name to submit it under (an
+        automatic name is taken here, once).
+    """
+    engine = _engine
+    if (engine is None or process_set is not global_process_set or prescale != 1.0
+            or type(array) is not np.ndarray):
+        return None, name
+    name = auto_name(m.ALLREDUCE, name)
+    return engine.express_allreduce(name, array, op, postscale, inplace), name
+
+
 def allreduce(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
               process_set: ProcessSet = global_process_set):
     """Reduce ``array`` across ranks (Average by default) and return a new array."""
+    result, name = _express(array, name, op, prescale_factor, postscale_factor, process_set,
+                            inplace=False)
+    if result is not None:
+        return result
     return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor,
                                        process_set))
 
@@ -455,6 +476,10 @@ def allreduce(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postsc
 def allreduce_(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
                process_set: ProcessSet = global_process_set):
     """Reduce ``array`` across ranks in place; returns ``array``."""
+    result, name = _express(array, name, op, prescale_factor, postscale_factor, process_set,
+                            inplace=True)
+    if result is not None:
+        return result
     return synchronize(allreduce_async_(array, name, op, prescale_factor, postscale_factor,
                                         process_set))
 

@@ -190,6 +190,13 @@ class EngineCore(abc.ABC):
         self._submitted(entries)
         return [e.handle for e in entries]
 
+    def express_allreduce(self, name: str, array: np.ndarray, op: int, postscale: float,
+                          inplace: bool) -> np.ndarray | None:
+        """Run a synchronous allreduce by a shorter path when the engine has one (see
+        ``MpiEngine.express_allreduce``); None: submit it as usual, under ``name``."""
+        del name, array, op, postscale, inplace
+        return None
+
     def _queues_locally(self) -> bool:
         """True when submissions wait in ``_queue`` for the cycle (else ``_submitted``
         sends them on)."""

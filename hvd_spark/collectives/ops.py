@@ -73,6 +73,9 @@ _UFUNCS = {
 
 _FLOAT16 = np.dtype(np.float16)
 _HALF = frozenset((_FLOAT16, BFLOAT16))
+# A set lookup: np.issubdtype costs about 2 us, paid several times per small allreduce.
+_FLOATING = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.longdouble,
+                                             BFLOAT16))
 
 #: Elements per float32 scratch chunk: two 256 KB buffers stay in L2 while reduced.
 HALF_CHUNK = 1 << 16
@@ -122,7 +125,9 @@ def half_kernels_name() -> str:
 
 def is_floating(dtype: np.dtype) -> bool:
     """True for float16/bfloat16/float32/float64."""
-    return dtype == BFLOAT16 or np.issubdtype(dtype, np.floating)
+    if not isinstance(dtype, np.dtype):
+        dtype = np.dtype(dtype)
+    return dtype in _FLOATING
 
 
 def check_dtype(dtype: np.dtype, name: str) -> None:

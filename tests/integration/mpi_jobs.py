@@ -256,5 +256,85 @@ def response_cache() -> None:
     print(f"OK response_cache {cached}", flush=True)
 
 
+def express() -> None:
+    """Synchronous small allreduces the ranks agreed on before run in one round with no
+    entry (``MpiEngine.express_allreduce``), with the bits of the usual path; when a rank
+    is elsewhere (async work pending, a timeline on rank 0, another shape), the call goes
+    on as a usual submission and still completes right."""
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    engine = api._engine
+    inputs = lambda seed, shape, dtype: [  # noqa: E731 - every rank's input, known to all
+        np.asarray(np.random.default_rng(seed * 100 + q).standard_normal(shape) * 4).astype(dtype)
+        for q in range(n)]
+    cases = [(np.float32, ops.Average, (256,), 1.0), (np.float16, ops.Sum, (8, 4), 1.0),
+             (ops.BFLOAT16, ops.Average, (33,), 0.5), (np.float64, ops.Max, (3,), 1.0),
+             (np.int32, ops.Sum, (5,), 1.0), (np.int64, ops.Average, (6,), 1.0),
+             (np.float32, ops.Min, (), 1.0), (np.float32, ops.Product, (4,), 2.0)]
+    for step in range(6):
+        for i, (dtype, op, shape, post) in enumerate(cases):
+            xs = inputs(100 * step + i, shape, dtype)
+            want = _reference(xs, op, post).tobytes()
+            got = hvd.allreduce(xs[r], name=f"case.{i}", op=op, postscale_factor=post)
+            assert got.shape == shape and got.dtype == dtype and got.tobytes() == want, (step, i)
+            assert got is not xs[r] and xs[r].tobytes() == inputs(100 * step + i, shape,
+                                                                  dtype)[r].tobytes()
+            mine = xs[r].copy()
+            assert hvd.allreduce_(mine, name=f"case.{i}", op=op, postscale_factor=post) is mine
+            assert mine.tobytes() == want, (step, i)
+            # Unnamed: the automatic names stay aligned whichever path each rank takes.
+            if r == 1:
+                got = hvd.synchronize(hvd.allreduce_async(xs[r], op=op, postscale_factor=post))
+            else:
+                got = hvd.allreduce(xs[r], op=op, postscale_factor=post)
+            assert got.tobytes() == want, (step, i)
+    _same_bits_everywhere(got)
+    assert engine.express_rounds >= 4 * len(cases), engine.express_rounds
+    # Async work pending on rank 0 only: rank 0 submits as usual, the others' express
+    # round meets a different message and goes on as usual.
+    fallbacks = engine.express_fallbacks
+    for step in range(4):
+        xs, side = inputs(900 + step, (256,), np.float32), inputs(950 + step, (7,), np.float32)
+        handle = hvd.allreduce_async(side[r], name="side", op=ops.Sum) if r == 0 else None
+        got = hvd.allreduce(xs[r], name="case.0")
+        assert got.tobytes() == _reference(xs, ops.Average).tobytes(), step
+        if r != 0:
+            handle = hvd.allreduce_async(side[r], name="side", op=ops.Sum)
+        assert hvd.synchronize(handle).tobytes() == _reference(side, ops.Sum).tobytes()
+    if r != 0:
+        assert engine.express_fallbacks > fallbacks, (fallbacks, engine.express_fallbacks)
+    # A timeline on rank 0 (rank 0 must see every request): usual rounds, same bits.
+    if r == 0:
+        hvd.start_timeline(os.environ["EXPRESS_TIMELINE"])
+    hvd.barrier()
+    before = engine.express_rounds
+    for step in range(5):
+        xs = inputs(1200 + step, (256,), np.float32)
+        assert hvd.allreduce(xs[r], name="case.0").tobytes() == _reference(
+            xs, ops.Average).tobytes()
+    assert engine.express_rounds == before, (before, engine.express_rounds)
+    if r == 0:
+        hvd.stop_timeline()
+    hvd.barrier()
+    for step in range(3):
+        xs = inputs(1300 + step, (256,), np.float32)
+        assert hvd.allreduce(xs[r], name="case.0").tobytes() == _reference(
+            xs, ops.Average).tobytes()
+    assert engine.express_rounds > before
+    # Another shape under a known name on one rank: every rank gets the error.
+    try:
+        hvd.allreduce(np.ones(256 if r else 255, np.float32), name="case.0")
+    except CollectiveError as exc:
+        assert "shape" in str(exc), exc
+    else:
+        raise AssertionError("shapes that differ must fail")
+    xs = inputs(1400, (256,), np.float32)
+    assert hvd.allreduce(xs[r], name="case.0").tobytes() == _reference(xs, ops.Average).tobytes()
+    hvd.shutdown()
+    print(f"OK express {engine.express_rounds} {engine.express_fallbacks}", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

@@ -108,3 +108,12 @@ def test_agreed_small_allreduces_skip_rank_0_with_the_same_bits():
     proc = _hvdrun_mpi(3, "response_cache")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK response_cache") == 3, proc.stdout + proc.stderr
+
+
+def test_synchronous_small_allreduces_take_the_express_round(tmp_path):
+    """One round, no entry, the usual bits; a rank elsewhere sends it the usual way."""
+    trace = tmp_path / "timeline.json"
+    proc = _hvdrun_mpi(3, "express", EXPRESS_TIMELINE=str(trace))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("OK express") == 3, proc.stdout + proc.stderr
+    assert '"case.0"' in trace.read_text() or "case.0" in trace.read_text()

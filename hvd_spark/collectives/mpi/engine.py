@@ -20,19 +20,25 @@ import pickle
 import threading
 import time
 
+import numpy as np
+
+from hvd_spark.collectives import messages as m
 from hvd_spark.collectives import timeline
+from hvd_spark.collectives.buffers import aligned_empty
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
+from hvd_spark.collectives.messages import Request
 from hvd_spark.collectives.mpi.communicator import MpiCommunicator
-from hvd_spark.collectives.mpi.negotiation import SLOT_BYTES, Negotiation
+from hvd_spark.collectives.mpi.negotiation import SLOT_BYTES, Negotiation, Shared
 from hvd_spark.collectives.mpi.response_cache import (
     PICKLED,
     Labeler,
     ResponseCache,
     cacheable,
 )
-from hvd_spark.collectives.operations import Entry
+from hvd_spark.collectives.operations import Entry, Handle
+from hvd_spark.collectives.ops import ReduceOp, reduce_rows
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError, HvdSparkError
 
@@ -82,6 +88,10 @@ class MpiEngine(EngineCore):
         self._labeler = Labeler() if self.rank == 0 else None
         #: Rounds every rank decided alone, from the response cache.
         self.cached_rounds = 0
+        #: Of those, synchronous allreduces run by ``express_allreduce`` alone; and the
+        #: express calls that went on as usual submissions (the ranks' messages differed).
+        self.express_rounds = 0
+        self.express_fallbacks = 0
         self._stopped = False  # a round agreed that every rank stops
         self.cycles = 0
         self._thread = threading.Thread(target=self._run, name="hvd-engine-mpi", daemon=True)
@@ -93,6 +103,81 @@ class MpiEngine(EngineCore):
         # A waiting caller runs the round itself; an unwaited one goes within a tick.
         if not self._parked():
             self._wakeup.set()
+
+    def express_allreduce(self, name: str, array: np.ndarray, op: int, postscale: float,
+                          inplace: bool) -> np.ndarray | None:
+        """A synchronous small allreduce the ranks agreed on before (the response
+        cache knows it), in one round on this thread with no entry, handle or queue.
+
+        The round is the one ``_round`` would run: the same message, so peers on the
+        usual path agree with it. When the ranks did not all send this allreduce alone
+        (or rank 0 must decide), it continues as a usual submission of it.
+
+        Returns:
+            The result (``array`` itself when ``inplace``), or None when this call does
+            not qualify (the caller then submits it as usual, under the same name).
+        """
+        if (op == ReduceOp.Adasum or array.nbytes > self.eager_bytes
+                or not array.flags.c_contiguous or (inplace and not array.flags.writeable)
+                or self._pending or self._queue or self._failure is not None
+                or self._stopping or self._stopped):
+            return None
+        number = self._cache.number_of(array.dtype, array.shape, op, postscale)
+        if number is None or not self._progress.acquire(blocking=False):
+            return None
+        entry = None
+        try:
+            if self._pending or self._queue or self._failure is not None or self._stopped:
+                return None  # another thread got here first
+            self._driver_left_at = time.monotonic()  # the background thread stays parked
+            head = self._cache.head_one(number, name)
+            payload = head + array.tobytes()
+            flags = _IDLE if self.rank == 0 and self._idle(False) else 0
+            negotiation = self._negotiation
+            try:
+                negotiation.exchange(payload, flags)
+                self.cycles += 1
+                agreed = negotiation.alike(head, len(payload))
+                if agreed is not None and agreed & _IDLE:
+                    # Every rank sent the same number and name: all reduce alike.
+                    rows = negotiation.rows(len(head), array.dtype, array.size)
+                    out = array if inplace else aligned_empty(array.shape, array.dtype)
+                    reduce_rows(rows, op, postscale, out=out.reshape(-1))
+                    self.cached_rounds += 1
+                    self.express_rounds += 1
+                    self.executed_responses += 1
+                    self.executed_tensors += 1
+                    self.executed_eager += 1
+                    self._busy_since = time.monotonic()
+                    return out
+                self.express_fallbacks += 1
+                entry = self._express_entry(name, array, op, postscale, inplace)
+                self._resolve(negotiation.collect(payload))
+            except BaseException as exc:  # noqa: BLE001 - as a waiting caller's _drive
+                self._fail(exc)
+                self._failed_while_driving()
+                if entry is None:
+                    raise self._error_for(name) from exc
+        finally:
+            self._driver_left_at = time.monotonic()
+            self._progress.release()
+        return self.wait(entry.handle)
+
+    def _express_entry(self, name: str, array: np.ndarray, op: int, postscale: float,
+                       inplace: bool) -> Entry:
+        """The entry a usual submission of an express allreduce would have made, pending
+        (its request went out in the round already)."""
+        request = Request(name, m.ALLREDUCE, array.dtype.name, array.shape, int(op), 1.0,
+                          float(postscale), payload=array.reshape(-1))
+        if inplace:
+            entry = Entry(request, Handle(name), array)
+        else:
+            entry = Entry(request, Handle(name), aligned_empty(array.shape, array.dtype),
+                          source=array)
+        with self._lock:
+            self._names_in_flight.add(name)
+            self._pending[name] = entry
+        return entry
 
     def _driver_arrived(self) -> None:
         pass  # the background thread checks for drivers before each round
@@ -161,6 +246,10 @@ class MpiEngine(EngineCore):
         shared = self._negotiation.share(self._message([e.request for e in new], stopping),
                                          _IDLE if self._idle(stopping) else 0)
         self.cycles += 1
+        self._resolve(shared)
+
+    def _resolve(self, shared: Shared) -> None:
+        """The rest of a round once every rank's message is in: decide, run, or stop."""
         if shared.whole and shared.flags[0] & _IDLE:
             agreed = self._cache.agreed(shared.parts)
             if agreed is not None:

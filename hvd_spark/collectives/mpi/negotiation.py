@@ -84,8 +84,41 @@ class Negotiation:
         Returns:
             Every rank's message and flags.
         """
+        self.exchange(payload, flags)
+        return self.collect(payload)
+
+    def exchange(self, payload: bytes, flags: int = 0) -> None:
+        """The round's allgather of slots: every rank's slot lies in ``_slots`` after it.
+        ``collect`` (same ``payload``) must follow before the next round, unless
+        ``alike`` found every message whole."""
         self._fill(self._slot, len(payload), flags, payload)
         self._wait(self.comm.Iallgather(self._slot, self._slots), "allgather")
+
+    def alike(self, head: bytes, length: int) -> int | None:
+        """After ``exchange``: rank 0's flags when every rank sent a message of
+        ``length`` bytes (all within its slot) that starts with ``head``; else None."""
+        if length > ROOM:
+            return None
+        slots, size, skip = self._slots, len(head), _HEADER.size
+        flags0 = None
+        for start in range(0, SLOT_BYTES * self.size, SLOT_BYTES):
+            got, flags = _HEADER.unpack_from(slots, start)
+            if got != length or slots[start + skip : start + skip + size].tobytes() != head:
+                return None
+            if flags0 is None:
+                flags0 = flags
+        return flags0
+
+    def rows(self, offset: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """After ``exchange``: ``count`` items of ``dtype`` at ``offset`` in each rank's
+        message, as views of the slots (valid until the next round)."""
+        base = _HEADER.size + offset
+        return [np.frombuffer(self._slots, dtype, count, base + r * SLOT_BYTES)
+                for r in range(self.size)]
+
+    def collect(self, payload: bytes) -> Shared:
+        """After ``exchange`` of ``payload``: every rank's message and flags, the rest of
+        long ones gathered on rank 0 (a collective when some message is long)."""
         parts: list[bytes] = []
         all_flags: list[int] = []
         rest_counts = [0] * self.size

@@ -83,12 +83,22 @@ class _Known:
     request: Request  # without its tensor
 
 
+def _head(numbers: list[int], names: list[str]) -> bytes:
+    """A cached message up to its tensors: the ranks compare these bytes."""
+    raw = [n.encode() for n in names]
+    meta = array("i", numbers + [len(n) for n in raw]).tobytes() + b"".join(raw)
+    meta += bytes(-len(meta) % 8)  # the tensors start aligned
+    return _HEAD.pack(CACHED, len(numbers), len(meta)) + meta
+
+
 class ResponseCache:
     """This rank's requests that every rank ran together as eager allreduces, by number."""
 
     def __init__(self) -> None:
         self._known: dict[int, _Known] = {}
         self._by_signature: dict[tuple, int] = {}
+        # (dtype, shape, op, postscale) -> number of a lone riding allreduce (see number_of)
+        self._riding: dict[tuple, int | None] = {}
 
     def __len__(self) -> int:
         return len(self._known)
@@ -100,6 +110,9 @@ class ResponseCache:
             return
         sig = signature(request)
         old = self._known.get(number)
+        if old is not None and old.signature == sig and self._by_signature.get(sig) == number:
+            return  # known already (every eager round of an uncached name says it again)
+        self._riding.clear()  # numbers move: look them up anew
         if old is not None and self._by_signature.get(old.signature) == number:
             del self._by_signature[old.signature]
         self._known[number] = _Known(sig, np.dtype(request.dtype), math.prod(request.shape),
@@ -117,11 +130,26 @@ class ResponseCache:
                 return None
             # The lowest bit says whether the tensor rides along: the ranks compare it too.
             numbers.append(2 * number + (request.payload is not None))
-        names = [q.name.encode() for q in requests]
-        meta = array("i", numbers + [len(n) for n in names]).tobytes() + b"".join(names)
-        meta += bytes(-len(meta) % 8)  # the tensors start aligned
-        return b"".join([_HEAD.pack(CACHED, len(requests), len(meta)), meta,
-                         *(q.payload.tobytes() for q in requests if q.payload is not None)])
+        head = _head(numbers, [q.name for q in requests])
+        return b"".join([head, *(q.payload.tobytes() for q in requests if q.payload is not None)])
+
+    def number_of(self, dtype: np.dtype, shape: tuple[int, ...], op: int,
+                  postscale: float) -> int | None:
+        """The number of this rank's allreduce of ``dtype`` and ``shape`` (no prescale,
+        tensor riding along), or None when the ranks have not agreed on one yet."""
+        key = (dtype, shape, op, postscale)
+        try:
+            return self._riding[key]
+        except KeyError:
+            pass
+        probe = Request("", m.ALLREDUCE, dtype.name, shape, int(op), 1.0, float(postscale))
+        number = self._riding[key] = self._by_signature.get(signature(probe))
+        return number
+
+    @staticmethod
+    def head_one(number: int, name: str) -> bytes:
+        """What ``encode`` puts before the tensor of a lone riding allreduce."""
+        return _head([2 * number + 1], [name])
 
     @staticmethod
     def _parse(part: bytes) -> tuple[list[int], list[str], int]:
