@@ -272,13 +272,21 @@ def express() -> None:
     cases = [(np.float32, ops.Average, (256,), 1.0), (np.float16, ops.Sum, (8, 4), 1.0),
              (ops.BFLOAT16, ops.Average, (33,), 0.5), (np.float64, ops.Max, (3,), 1.0),
              (np.int32, ops.Sum, (5,), 1.0), (np.int64, ops.Average, (6,), 1.0),
-             (np.float32, ops.Min, (), 1.0), (np.float32, ops.Product, (4,), 2.0)]
+             (np.float32, ops.Min, (), 1.0), (np.float32, ops.Product, (4,), 2.0),
+             # Too large to ride along: the backend reduces it after the round.
+             (np.float32, ops.Average, (2048,), 1.0), (ops.BFLOAT16, ops.Sum, (3000,), 0.25)]
     for step in range(6):
         for i, (dtype, op, shape, post) in enumerate(cases):
             xs = inputs(100 * step + i, shape, dtype)
             want = _reference(xs, op, post).tobytes()
             got = hvd.allreduce(xs[r], name=f"case.{i}", op=op, postscale_factor=post)
-            assert got.shape == shape and got.dtype == dtype and got.tobytes() == want, (step, i)
+            assert got.shape == shape and got.dtype == dtype, (step, i)
+            if xs[r].nbytes > engine.eager_bytes:  # MPI's own sum order: same bits everywhere
+                want = got.tobytes()
+                _same_bits_everywhere(got)
+                np.testing.assert_allclose(got.astype(np.float64), _reference(xs, op, post)
+                                           .astype(np.float64), rtol=2e-2, atol=1e-3)
+            assert got.tobytes() == want, (step, i)
             assert got is not xs[r] and xs[r].tobytes() == inputs(100 * step + i, shape,
                                                                   dtype)[r].tobytes()
             mine = xs[r].copy()

@@ -24,7 +24,7 @@ import numpy as np
 
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives import timeline
-from hvd_spark.collectives.buffers import aligned_empty
+from hvd_spark.collectives.buffers import OUTPUTS, SegmentedBuffer
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
@@ -38,7 +38,7 @@ from hvd_spark.collectives.mpi.response_cache import (
     cacheable,
 )
 from hvd_spark.collectives.operations import Entry, Handle
-from hvd_spark.collectives.ops import ReduceOp, reduce_rows
+from hvd_spark.collectives.ops import ReduceOp, finish_reduction, reduce_rows
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError, HvdSparkError
 
@@ -106,8 +106,9 @@ class MpiEngine(EngineCore):
 
     def express_allreduce(self, name: str, array: np.ndarray, op: int, postscale: float,
                           inplace: bool) -> np.ndarray | None:
-        """A synchronous small allreduce the ranks agreed on before (the response
-        cache knows it), in one round on this thread with no entry, handle or queue.
+        """A synchronous allreduce the ranks agreed on before (the response cache knows
+        it), in one round on this thread with no entry, handle or queue; a small tensor
+        rides along and every rank reduces it, a larger one runs on the backend next.
 
         The round is the one ``_round`` would run: the same message, so peers on the
         usual path agree with it. When the ranks did not all send this allreduce alone
@@ -117,10 +118,9 @@ class MpiEngine(EngineCore):
             The result (``array`` itself when ``inplace``), or None when this call does
             not qualify (the caller then submits it as usual, under the same name).
         """
-        if (op == ReduceOp.Adasum or array.nbytes > self.eager_bytes
-                or not array.flags.c_contiguous or (inplace and not array.flags.writeable)
-                or self._pending or self._queue or self._failure is not None
-                or self._stopping or self._stopped):
+        if (op == ReduceOp.Adasum or not array.flags.c_contiguous
+                or (inplace and not array.flags.writeable) or self._pending or self._queue
+                or self._failure is not None or self._stopping or self._stopped):
             return None
         number = self._cache.number_of(array.dtype, array.shape, op, postscale)
         if number is None or not self._progress.acquire(blocking=False):
@@ -130,8 +130,9 @@ class MpiEngine(EngineCore):
             if self._pending or self._queue or self._failure is not None or self._stopped:
                 return None  # another thread got here first
             self._driver_left_at = time.monotonic()  # the background thread stays parked
-            head = self._cache.head_one(number, name)
-            payload = head + array.tobytes()
+            riding = array.nbytes <= self.eager_bytes
+            head = self._cache.head_one(number, name, riding)
+            payload = head + array.tobytes() if riding else head
             flags = _IDLE if self.rank == 0 and self._idle(False) else 0
             negotiation = self._negotiation
             try:
@@ -139,15 +140,22 @@ class MpiEngine(EngineCore):
                 self.cycles += 1
                 agreed = negotiation.alike(head, len(payload))
                 if agreed is not None and agreed & _IDLE:
-                    # Every rank sent the same number and name: all reduce alike.
-                    rows = negotiation.rows(len(head), array.dtype, array.size)
-                    out = array if inplace else aligned_empty(array.shape, array.dtype)
-                    reduce_rows(rows, op, postscale, out=out.reshape(-1))
+                    # Every rank sent the same number and name: all reduce alike, the
+                    # tensors that rode along here, a larger one on the backend.
+                    out = array if inplace else OUTPUTS.empty(array.shape, array.dtype)
+                    if riding:
+                        rows = negotiation.rows(len(head), array.dtype, array.size)
+                        reduce_rows(rows, op, postscale, out=out.reshape(-1))
+                    else:
+                        if out is not array:
+                            np.copyto(out, array)
+                        self.comm.allreduce(SegmentedBuffer([out.reshape(-1)]), op)
+                        finish_reduction(out, op, postscale, self.size)
                     self.cached_rounds += 1
                     self.express_rounds += 1
                     self.executed_responses += 1
                     self.executed_tensors += 1
-                    self.executed_eager += 1
+                    self.executed_eager += riding
                     self._busy_since = time.monotonic()
                     return out
                 self.express_fallbacks += 1
@@ -167,12 +175,13 @@ class MpiEngine(EngineCore):
                        inplace: bool) -> Entry:
         """The entry a usual submission of an express allreduce would have made, pending
         (its request went out in the round already)."""
+        payload = array.reshape(-1) if array.nbytes <= self.eager_bytes else None
         request = Request(name, m.ALLREDUCE, array.dtype.name, array.shape, int(op), 1.0,
-                          float(postscale), payload=array.reshape(-1))
+                          float(postscale), payload=payload)
         if inplace:
             entry = Entry(request, Handle(name), array)
         else:
-            entry = Entry(request, Handle(name), aligned_empty(array.shape, array.dtype),
+            entry = Entry(request, Handle(name), OUTPUTS.empty(array.shape, array.dtype),
                           source=array)
         with self._lock:
             self._names_in_flight.add(name)

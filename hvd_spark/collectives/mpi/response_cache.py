@@ -97,7 +97,7 @@ class ResponseCache:
     def __init__(self) -> None:
         self._known: dict[int, _Known] = {}
         self._by_signature: dict[tuple, int] = {}
-        # (dtype, shape, op, postscale) -> number of a lone riding allreduce (see number_of)
+        # (dtype, shape, op, postscale) -> number of such an allreduce (see number_of)
         self._riding: dict[tuple, int | None] = {}
 
     def __len__(self) -> int:
@@ -136,20 +136,23 @@ class ResponseCache:
     def number_of(self, dtype: np.dtype, shape: tuple[int, ...], op: int,
                   postscale: float) -> int | None:
         """The number of this rank's allreduce of ``dtype`` and ``shape`` (no prescale,
-        tensor riding along), or None when the ranks have not agreed on one yet."""
+        the global process set), or None when the ranks have not agreed on one yet."""
         key = (dtype, shape, op, postscale)
         try:
             return self._riding[key]
         except KeyError:
             pass
+        if len(self._riding) >= 4 * CAPACITY:
+            self._riding.clear()  # shapes never agreed on (past the cache's capacity)
         probe = Request("", m.ALLREDUCE, dtype.name, shape, int(op), 1.0, float(postscale))
         number = self._riding[key] = self._by_signature.get(signature(probe))
         return number
 
     @staticmethod
-    def head_one(number: int, name: str) -> bytes:
-        """What ``encode`` puts before the tensor of a lone riding allreduce."""
-        return _head([2 * number + 1], [name])
+    def head_one(number: int, name: str, riding: bool) -> bytes:
+        """What ``encode`` puts before the tensor of a lone allreduce (all of its
+        message when the tensor does not ride along)."""
+        return _head([2 * number + riding], [name])
 
     @staticmethod
     def _parse(part: bytes) -> tuple[list[int], list[str], int]:
