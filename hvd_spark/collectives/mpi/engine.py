@@ -142,7 +142,11 @@ class MpiEngine(EngineCore):
                 if agreed is not None and agreed & _IDLE:
                     # Every rank sent the same number and name: all reduce alike, the
                     # tensors that rode along here, a larger one on the backend.
-                    out = array if inplace else OUTPUTS.empty(array.shape, array.dtype)
+                    out = array
+                    if not inplace:
+                        # A small result goes to a numpy caller: no pool, no alignment
+                        # (the TensorFlow binding aligns what it adopts itself).
+                        out = (np.empty if riding else OUTPUTS.empty)(array.shape, array.dtype)
                     if riding:
                         rows = negotiation.rows(len(head), array.dtype, array.size)
                         reduce_rows(rows, op, postscale, out=out.reshape(-1))

@@ -99,6 +99,7 @@ class ResponseCache:
         self._by_signature: dict[tuple, int] = {}
         # (dtype, shape, op, postscale) -> number of such an allreduce (see number_of)
         self._riding: dict[tuple, int | None] = {}
+        self._heads: dict[tuple[int, str, bool], bytes] = {}  # see head_one
 
     def __len__(self) -> int:
         return len(self._known)
@@ -148,11 +149,16 @@ class ResponseCache:
         number = self._riding[key] = self._by_signature.get(signature(probe))
         return number
 
-    @staticmethod
-    def head_one(number: int, name: str, riding: bool) -> bytes:
+    def head_one(self, number: int, name: str, riding: bool) -> bytes:
         """What ``encode`` puts before the tensor of a lone allreduce (all of its
         message when the tensor does not ride along)."""
-        return _head([2 * number + riding], [name])
+        key = (number, name, riding)
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) >= CAPACITY:
+                self._heads.clear()  # unnamed calls: a new name every step
+            head = self._heads[key] = _head([2 * number + riding], [name])
+        return head
 
     @staticmethod
     def _parse(part: bytes) -> tuple[list[int], list[str], int]:
