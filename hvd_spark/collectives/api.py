@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from hvd_spark import _env
-from hvd_spark.collectives import elastic, registry, timeline
+from hvd_spark.collectives import elastic, packing, registry, timeline
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives.buffers import OUTPUTS
 from hvd_spark.collectives.engine import Engine
@@ -484,15 +484,17 @@ def allreduce_(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, posts
                                         process_set))
 
 
-def _many(kind: str, keys: list[str], builds: list, members) -> list[Handle]:
-    """Build and submit several operations as one batch; a local failure fails them all."""
+def _many(kind: str, keys: list[str], builds: list, members,
+          fail_keys: list[str] | None = None) -> list[Handle]:
+    """Build and submit several operations as one batch; a local failure fails them all
+    (and ``fail_keys`` too, when given instead)."""
     _, engine = _require()
     entries = []
     try:
         for key, build in zip(keys, builds):
             entries.append(_entry(key, build(key, members)))
     except (HvdSparkError, ValueError, TypeError) as exc:
-        _fail_locally(kind, keys, exc, members)
+        _fail_locally(kind, fail_keys or keys, exc, members)
     # One batch: the coordinator sees all of them at once and fuses them.
     return engine.submit_many(entries) if entries else []
 
@@ -526,14 +528,63 @@ def allreduce_many_async_(
     return _many(m.ALLREDUCE, keys, builds, members)
 
 
+def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
+                       process_set: ProcessSet, inplace: bool) -> list[Handle]:
+    """A grouped allreduce: its small tensors packed into one request, the others one by
+    one, all in one batch (see ``packing``)."""
+    if isinstance(arrays, np.ndarray) or not isinstance(arrays, Sequence):
+        raise ConfigError(
+            f"grouped allreduce expects a list of arrays, got {type(arrays).__name__}")
+    members = _members(process_set, "grouped allreduce")
+    base = auto_name("grouped_allreduce", name, process_set)
+    keys = [f"{base}.{i}" for i in range(len(arrays))]
+
+    def build(a):
+        return _allreduce_build(a, op, prescale, postscale, inplace)
+
+    packed = packing.plan(arrays, op, inplace)
+    if packed is None:
+        return _many(m.ALLREDUCE, keys, [build(a) for a in arrays], members)
+    in_pack = set(packed)
+    alone = [i for i in range(len(arrays)) if i not in in_pack]
+    layout = packing.layout_of(arrays)
+    pack_build = _allreduce_build(packing.gather(arrays, packed), op, prescale, postscale,
+                                  inplace=True)
+
+    def build_pack(key: str, members):
+        request, *rest = pack_build(key, members)
+        return (dataclasses.replace(request, layout=layout), *rest)
+
+    pack_key = f"{base}.packed"
+    handles = _many(m.ALLREDUCE, [pack_key, *(keys[i] for i in alone)],
+                    [build_pack, *(build(arrays[i]) for i in alone)], members,
+                    fail_keys=[pack_key, *keys])
+
+    def report(names: list[str], exc: BaseException) -> None:
+        for key in names:
+            report_failure(m.ALLREDUCE, key, exc, members)
+
+    def settle(handle: Handle) -> None:
+        try:
+            synchronize(handle)
+        except HvdSparkError:
+            pass  # the caller gets the packed request's error
+
+    pack = packing.Pack(handles[0], arrays, packed, inplace, report, keys, settle)
+    own = dict(zip(alone, handles[1:]))
+    return [packing.GuardedHandle(own[i], pack) if i in own else
+            packing.PartHandle(keys[i], pack, i) for i in range(len(arrays))]
+
+
 def grouped_allreduce_async(
     arrays: Sequence[np.ndarray], name: str | None = None, op: ReduceOp = ReduceOp.Average,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[Handle]:
-    """Start allreduces of several arrays as one fused batch; results are new arrays."""
-    return _grouped(m.ALLREDUCE, arrays, name, process_set, lambda a: _allreduce_build(
-        a, op, prescale_factor, postscale_factor, inplace=False))
+    """Start allreduces of several arrays as one fused batch; results are new arrays
+    (those of the small ones views of one packed array)."""
+    return _grouped_allreduce(arrays, name, op, prescale_factor, postscale_factor,
+                              process_set, inplace=False)
 
 
 def grouped_allreduce_async_(
@@ -542,26 +593,38 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> list[Handle]:
     """Start in-place allreduces of several arrays as one fused batch."""
-    return _grouped(m.ALLREDUCE, arrays, name, process_set, lambda a: _allreduce_build(
-        a, op, prescale_factor, postscale_factor, inplace=True))
+    return _grouped_allreduce(arrays, name, op, prescale_factor, postscale_factor,
+                              process_set, inplace=True)
 
 
 def grouped_allreduce(arrays, name=None, op=ReduceOp.Average, prescale_factor=1.0,
                       postscale_factor=1.0,
                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     """Allreduce several arrays as one fused operation; returns new arrays."""
-    handles = grouped_allreduce_async(arrays, name, op, prescale_factor, postscale_factor,
-                                      process_set)
-    return [synchronize(h) for h in handles]
+    return _wait_all(grouped_allreduce_async(arrays, name, op, prescale_factor,
+                                             postscale_factor, process_set))
 
 
 def grouped_allreduce_(arrays, name=None, op=ReduceOp.Average, prescale_factor=1.0,
                        postscale_factor=1.0,
                        process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     """Allreduce several arrays in place as one fused operation."""
-    handles = grouped_allreduce_async_(arrays, name, op, prescale_factor, postscale_factor,
-                                       process_set)
-    return [synchronize(h) for h in handles]
+    return _wait_all(grouped_allreduce_async_(arrays, name, op, prescale_factor,
+                                              postscale_factor, process_set))
+
+
+def _wait_all(handles: list[Handle]) -> list[Any]:
+    """Every handle's result; the first error is raised once all finished (so none of a
+    failed group is left in flight under its name)."""
+    results, error = [], None
+    for handle in handles:
+        try:
+            results.append(synchronize(handle))
+        except HvdSparkError as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
 
 
 # ---------------------------------------------------------------------- the other collectives

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from hvd_spark.collectives import messages as m
+from hvd_spark.collectives import packing
 from hvd_spark.collectives.messages import Request, Response
 from hvd_spark.collectives.ops import ReduceOp, check_dtype, check_reduction, reduce_rows
 from hvd_spark.errors import CollectiveError
@@ -72,6 +73,12 @@ def validate(name: str, requests: dict[int, Request], size: int) -> Response:
     if failed:
         reasons = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
         return _error(first, name, f"collective {name!r} failed on some ranks: {reasons}")
+    layouts = {r: q.layout for r, q in requests.items()}
+    if len(set(layouts.values())) > 1:  # before the dtype: a packed request's differs too
+        shown = "; ".join(f"rank {r}: {packing.describe(v)}" for r, v in sorted(layouts.items()))
+        return _error(first, name, f"grouped allreduce {name!r}: the ranks passed different "
+                      "groups of tensors (every rank must pass the same dtypes and shapes, in "
+                      f"the same order): {shown}")
     for field, what in (("kind", "operation"), ("dtype", "dtype"), ("members", "process set"),
                         ("device", "device (CPU or GPU)")):
         values = {r: getattr(q, field) for r, q in requests.items()}

@@ -55,6 +55,8 @@ class Request:
             ranks' automatic names stay aligned.
         device: Where the tensor lives, "cpu" or "cuda": every rank must agree (the
             bytes take a device path or the host path, never both).
+        layout: A grouped allreduce's packed request: every tensor of the group, as
+            ``packing.layout_of`` writes it; the ranks must agree (None otherwise).
         payload: A small CPU allreduce's input, flat, sent along with the request so
             rank 0 can reduce it during negotiation (``EngineConfig.eager_bytes``);
             None otherwise. Not part of what ranks must agree on.
@@ -72,6 +74,7 @@ class Request:
     members: tuple[int, ...] | None = None
     error: str | None = None
     device: str = "cpu"
+    layout: tuple[int, ...] | None = None
     payload: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __reduce__(self):
@@ -80,7 +83,7 @@ class Request:
         payload = None if self.payload is None else self.payload.tobytes()
         return _request, (self.name, self.kind, self.dtype, self.shape, self.op, self.prescale,
                           self.postscale, self.root, self.splits, self.members, self.error,
-                          self.device, payload)
+                          self.device, self.layout, payload)
 
     @property
     def nbytes(self) -> int:
@@ -89,10 +92,11 @@ class Request:
 
 
 def _request(name, kind, dtype, shape, op, prescale, postscale, root, splits, members, error,
-             device, payload) -> Request:
+             device, layout, payload) -> Request:
     """Unpickle a Request (see ``Request.__reduce__``)."""
     return Request(name, kind, dtype, shape, op, prescale, postscale, root, splits, members,
-                   error, device, None if payload is None else np.frombuffer(payload, dtype))
+                   error, device, layout,
+                   None if payload is None else np.frombuffer(payload, dtype))
 
 
 @dataclasses.dataclass(unsafe_hash=True, slots=True)

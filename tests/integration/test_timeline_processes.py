@@ -43,7 +43,9 @@ def _known_run(steps: int) -> int:
         hvd.allreduce(np.arange(3, dtype=np.float32), name="test_allreduce")
     hvd.allgather(np.ones(2), name="gathered")
     hvd.broadcast(np.zeros(4), 0, name="weights")
-    hvd.grouped_allreduce([np.ones(3), np.ones(5)], name="group")  # one fused operation
+    hvd.grouped_allreduce([np.ones(3), np.ones(5)], name="group")  # packed: one tensor
+    for handle in hvd.allreduce_many_async_([np.ones(3), np.ones(5)], ["fused.0", "fused.1"]):
+        hvd.synchronize(handle)  # one batch: one fused operation
     return hvd.rank()
 
 
@@ -70,7 +72,10 @@ def test_horovod_timeline_variable_records_a_known_run(tmp_path):
     gather = [name for ph, name in _phases(events, rows["allgather.gathered"]) if ph == "B"]
     assert gather[:2] == ["NEGOTIATE_ALLGATHER", "ALLGATHER"]
     assert any(e["ph"] == "i" and e["name"] == "CYCLE_START" for e in events)
-    for member in ("allreduce.group.0", "allreduce.group.1"):
+    packed = [name for ph, name in _phases(events, rows["allreduce.group.packed"]) if ph == "B"]
+    assert packed[:2] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"] and "RING_ALLREDUCE" in packed
+    assert "allreduce.group.0" not in rows  # its small tensors travelled packed
+    for member in ("allreduce.fused.0", "allreduce.fused.1"):
         fused = [name for ph, name in _phases(events, rows[member]) if ph == "B"]
         assert fused[:2] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"]
         assert fused.index("MEMCPY_IN_FUSION_BUFFER") < fused.index("RING_ALLREDUCE") < (
@@ -84,7 +89,7 @@ def test_timeline_shows_small_allreduces_reduced_during_negotiation(tmp_path):
     events = _load(path)
     _assert_paired(events)
     rows = _rows(events)
-    for row in ("allreduce.test_allreduce", "allreduce.group.0"):
+    for row in ("allreduce.test_allreduce", "allreduce.group.packed", "allreduce.fused.0"):
         begins = [name for ph, name in _phases(events, rows[row]) if ph == "B"]
         assert "EAGER_ALLREDUCE" in begins and "RING_ALLREDUCE" not in begins, begins
 

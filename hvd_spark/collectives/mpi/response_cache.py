@@ -46,7 +46,7 @@ def signature(request: Request) -> tuple:
     """What a request asks for, but its name and tensor (what the ranks validate)."""
     q = request
     return (q.kind, q.dtype, q.shape, q.op, q.prescale, q.postscale, q.root, q.splits,
-            q.members, q.error, q.device)
+            q.members, q.error, q.device, q.layout)
 
 
 class Labeler:

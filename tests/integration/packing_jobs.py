@@ -1,0 +1,93 @@
+"""Rank programs for grouped allreduces whose small tensors travel packed (``packing``)."""
+
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+
+import hvd_spark.collectives as hvd
+from hvd_spark.collectives import api
+from hvd_spark.errors import CollectiveError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _group(seed: int, rank: int) -> list[np.ndarray]:
+    """A mixed group: small float32 (packed), small float16 and int32 (not the most common
+    dtype: alone), two float32 over the packing limit (alone), a 0-d one and a strided view."""
+    rng = np.random.default_rng(seed * 10 + rank)
+    small = [rng.standard_normal(s).astype(np.float32) for s in [(3,), (4, 5), (1,), (17,)] * 3]
+    return [*small, rng.standard_normal(40).astype(np.float16),
+            rng.integers(-50, 50, 9).astype(np.int32),
+            rng.standard_normal(20000).astype(np.float32),  # 80 KB
+            np.asarray(rng.standard_normal(), np.float32),
+            rng.standard_normal((30, 10)).astype(np.float32)[:, ::2],  # not contiguous
+            rng.standard_normal(70000).astype(np.float32)]
+
+
+def grouped_results(steps: int) -> dict:
+    """Grouped allreduces, out of place and in place, several ops and scale factors; what
+    each rank got, and how many tensors the engine ran (the packed ones count once)."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    engine = api._engine
+    out: dict = {"rank": r, "size": n, "runs": []}
+    for step in range(steps):
+        for op, pre, post in [(hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 0.5),
+                              (hvd.Max, 1.0, 1.0), (hvd.Sum, 2.0, 1.0)]:
+            inputs = _group(step, r)
+            before = engine.executed_tensors
+            got = hvd.grouped_allreduce(inputs, op=op, prescale_factor=pre, postscale_factor=post)
+            ran = engine.executed_tensors - before
+            mine = [a.copy() for a in inputs]
+            same = hvd.grouped_allreduce_(mine, name=f"inplace.{step}", op=op,
+                                          prescale_factor=pre, postscale_factor=post)
+            assert all(x is y for x, y in zip(same, mine))
+            untouched = all(a.tobytes() == b.tobytes() for a, b in zip(inputs, _group(step, r)))
+            out["runs"].append({"op": int(op), "pre": pre, "post": post, "got": got,
+                                "inplace": mine, "ran": ran, "untouched": untouched})
+    # Bitwise agreement across ranks on the last results.
+    raw = np.concatenate([np.frombuffer(g.tobytes(), np.uint8) for g in got])
+    everyone = hvd.allgather(raw[None, :])
+    out["agree"] = all((row == everyone[0]).all() for row in everyone)
+    hvd.shutdown()
+    return out
+
+
+def _mismatched(r: int) -> list[list[np.ndarray]]:
+    """Groups that differ between rank 0 and the others."""
+    return [
+        # A small tensor's shape differs (packed on every rank).
+        [np.ones(3 if r == 0 else 4, np.float32), np.ones(5, np.float32)],
+        # One rank's tensor is small (packed), the others' large (sent alone).
+        [np.ones(10 if r == 0 else 30000, np.float32), np.ones(5, np.float32),
+         np.ones(20000, np.float32)],
+        # Another dtype: another set of tensors is packed on each side.
+        [np.ones(3, np.float32 if r == 0 else np.float64), np.ones(5, np.float64),
+         np.ones(6, np.float32)],
+    ]
+
+
+def mismatched_groups() -> dict:
+    """Ranks that pass different groups: every rank fails at once with the layout error,
+    whichever tensors each rank packed, and the same names work afterwards."""
+    hvd.init()
+    r = hvd.rank()
+    out: dict = {"errors": [], "seconds": [], "after": []}
+    for i, group in enumerate(_mismatched(r)):
+        start = time.monotonic()
+        try:
+            hvd.grouped_allreduce(group, name=f"bad.{i}")
+        except CollectiveError as exc:
+            out["errors"].append(str(exc))
+        else:
+            out["errors"].append(None)
+        out["seconds"].append(time.monotonic() - start)
+        # The same names again, alike on every rank: nothing was left in flight.
+        good = [np.ones(a.shape, np.float32) for a in _mismatched(0)[i]]
+        results = hvd.grouped_allreduce(good, name=f"bad.{i}", op=hvd.Sum)
+        out["after"].append([float(x.reshape(-1)[0]) for x in results])
+    hvd.shutdown()
+    return out
