@@ -9,6 +9,7 @@ busbw = 2(N-1)/N x bytes / time, so it is comparable across N.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -54,6 +55,9 @@ def _time_loop(fn, iters: int, barrier, reduce_max) -> float:
     """Seconds per call of ``fn``, the slowest rank's, after warm-up."""
     for _ in range(2):
         fn()
+    # A full collection now, not inside the timing: once torch is imported one takes
+    # about 90 ms here, and where it fell decided a 1 MB figure (a 2-3x swing).
+    gc.collect()
     barrier()
     start = time.perf_counter()
     for _ in range(iters):

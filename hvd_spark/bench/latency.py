@@ -12,6 +12,7 @@ median over rounds of the slowest rank's mean time per synchronous, end-to-end
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -28,6 +29,7 @@ _FRAMEWORKS = ("torch", "tf", "tf_function")
 
 
 def _mean_time(fn, iters: int) -> float:
+    gc.collect()  # a full collection falls outside the timing (see bench.allreduce)
     start = time.perf_counter()
     for _ in range(iters):
         fn()
