@@ -46,6 +46,11 @@ class Handle:
         """True once the operation finished (successfully or not)."""
         return self._done
 
+    @property
+    def error(self) -> BaseException | None:
+        """The error it finished with (None while running, or when it succeeded)."""
+        return self._error
+
     def _finish(self) -> None:
         if self._done:
             return

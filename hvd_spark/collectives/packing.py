@@ -73,7 +73,7 @@ def describe(layout: tuple[int, ...] | None, limit: int = 6) -> str:
 def packable(value: Any, inplace: bool) -> np.ndarray | None:
     """``value`` as an array when it may be packed (a small numpy array; one an in-place
     call can write back into), else None."""
-    arr = _as_array(value) if type(value) is np.ndarray else None
+    arr = value if type(value) is np.ndarray else None
     if (arr is None or arr.dtype not in _CODES or arr.nbytes >= PACK_BELOW_BYTES
             or (inplace and not arr.flags.writeable)):
         return None
@@ -142,7 +142,7 @@ class Pack:
 
     def failed(self) -> bool:
         """True once the packed request finished with an error."""
-        return self.handle.done() and self.handle._error is not None
+        return self.handle.done() and self.handle.error is not None
 
     def result(self, timeout: float) -> np.ndarray:
         """The reduced packed array (raises the packed request's error, after failing the
@@ -182,6 +182,10 @@ class PartHandle(Handle):
     def done(self) -> bool:  # noqa: D102
         return self._pack.handle.done()
 
+    @property
+    def error(self) -> BaseException | None:  # noqa: D102
+        return self._pack.handle.error
+
     def wait_done(self, timeout: float) -> bool:  # noqa: D102
         return self._pack.handle.wait_done(timeout)
 
@@ -209,6 +213,10 @@ class GuardedHandle(Handle):
 
     def done(self) -> bool:  # noqa: D102
         return self._inner.done() or self._pack.failed()
+
+    @property
+    def error(self) -> BaseException | None:  # noqa: D102
+        return self._pack.handle.error if self._pack.failed() else self._inner.error
 
     def wait_done(self, timeout: float) -> bool:  # noqa: D102
         return self.done() or self._inner.wait_done(timeout)

@@ -122,13 +122,15 @@ class MpiEngine(EngineCore):
                 or (inplace and not array.flags.writeable) or self._pending or self._queue
                 or self._failure is not None or self._stopping or self._stopped):
             return None
-        number = self._cache.number_of(array.dtype, array.shape, op, postscale)
-        if number is None or not self._progress.acquire(blocking=False):
+        if not self._progress.acquire(blocking=False):
             return None
         entry = None
         try:
-            if self._pending or self._queue or self._failure is not None or self._stopped:
-                return None  # another thread got here first
+            # Under the progress lock: a round running elsewhere may be teaching the cache.
+            number = self._cache.number_of(array.dtype, array.shape, op, postscale)
+            if (number is None or self._pending or self._queue or self._failure is not None
+                    or self._stopped):
+                return None  # not agreed on yet, or another thread got here first
             self._driver_left_at = time.monotonic()  # the background thread stays parked
             riding = array.nbytes <= self.eager_bytes
             head = self._cache.head_one(number, name, riding)
