@@ -178,6 +178,16 @@ def _same_bits_everywhere(result: np.ndarray) -> None:
     assert all((row == everyone[0]).all() for row in everyone), "ranks got different bits"
 
 
+def _other_shape_fails(name: str) -> None:
+    """Rank 0 asks for ``name`` with 255 elements, the others with 256: all must fail."""
+    try:
+        hvd.allreduce(np.ones(256 if hvd.rank() else 255, np.float32), name=name)
+    except CollectiveError as exc:
+        assert "shape" in str(exc), exc
+    else:
+        raise AssertionError("shapes that differ must fail")
+
+
 def response_cache() -> None:
     """Small allreduces the ranks agreed on before: each rank reduces them itself (the
     MPI engine's response cache); results equal a numpy reference bit for bit."""
@@ -239,12 +249,7 @@ def response_cache() -> None:
             assert hvd.synchronize(handles[k]).tobytes() == _reference(xs[k], ops.Sum).tobytes()
     # A rank that asks for a cached name with another shape: every rank gets the error.
     before = engine.cached_rounds
-    try:
-        hvd.allreduce(np.ones(256 if r else 255, np.float32), name="grad.w")
-    except CollectiveError as exc:
-        assert "shape" in str(exc), exc
-    else:
-        raise AssertionError("shapes that differ must fail")
+    _other_shape_fails("grad.w")
     assert engine.cached_rounds == before
     # ... and the cache works on afterwards.
     xs = inputs(4000, 256, np.float32)
@@ -332,12 +337,7 @@ def express() -> None:
             xs, ops.Average).tobytes()
     assert engine.express_rounds > before
     # Another shape under a known name on one rank: every rank gets the error.
-    try:
-        hvd.allreduce(np.ones(256 if r else 255, np.float32), name="case.0")
-    except CollectiveError as exc:
-        assert "shape" in str(exc), exc
-    else:
-        raise AssertionError("shapes that differ must fail")
+    _other_shape_fails("case.0")
     xs = inputs(1400, (256,), np.float32)
     assert hvd.allreduce(xs[r], name="case.0").tobytes() == _reference(xs, ops.Average).tobytes()
     hvd.shutdown()
