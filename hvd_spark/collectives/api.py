@@ -279,20 +279,24 @@ def auto_name(kind: str, name: str | None, process_set: ProcessSet = global_proc
 
 
 def report_failure(kind: str, key: str, exc: BaseException,
-                   members: tuple[int, ...] | None = None) -> None:
+                   members: tuple[int, ...] | None = None) -> Handle | None:
     """Tell the other ranks that this rank's ``key`` failed its local checks.
 
     The coordinator then fails ``key`` on every rank with this rank's reason, instead of
     the other ranks waiting for a partner that never comes; automatic names stay aligned.
+
+    Returns:
+        The report's handle (done once every rank's request for ``key`` met it), or None
+        when it could not be sent.
     """
     engine = _engine
     if engine is None:
-        return
+        return None
     request = m.Request(key, kind, members=members, error=f"{type(exc).__name__}: {exc}")
     try:
-        engine.submit(Entry(request, Handle(key), np.empty(0, np.uint8)))
+        return engine.submit(Entry(request, Handle(key), np.empty(0, np.uint8)))
     except HvdSparkError:
-        pass  # the name is in flight already (the error is about that) or the engine stopped
+        return None  # the name is in flight already (the error is about that), or stopped
 
 
 def _fail_locally(kind: str, keys: list[str], exc: BaseException, members) -> NoReturn:
@@ -560,15 +564,15 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
                     [build_pack, *(build(arrays[i]) for i in alone)], members,
                     fail_keys=[pack_key, *keys])
 
-    def report(names: list[str], exc: BaseException) -> None:
-        for key in names:
-            report_failure(m.ALLREDUCE, key, exc, members)
-
-    def settle(handle: Handle) -> None:
+    def settle(handle: Handle, seconds: float) -> None:
         try:
-            synchronize(handle)
+            _require()[1].wait(handle, seconds)
         except HvdSparkError:
-            pass  # the caller gets the packed request's error
+            pass  # the caller gets the packed request's error (or the name stays busy)
+
+    def report(names: list[str], exc: BaseException) -> list[Handle]:
+        handles = [report_failure(m.ALLREDUCE, key, exc, members) for key in names]
+        return [h for h in handles if h is not None]
 
     pack = packing.Pack(handles[0], arrays, packed, inplace, report, keys, settle)
     own = dict(zip(alone, handles[1:]))

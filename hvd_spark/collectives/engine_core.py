@@ -206,13 +206,15 @@ class EngineCore(abc.ABC):
     def _submitted(self, entries: list[Entry]) -> None:
         """After ``entries`` were recorded: notify whoever negotiates them."""
 
-    def wait(self, handle: Handle):
-        """Wait for ``handle``, making progress on this thread; the engine's deadline applies.
+    def wait(self, handle: Handle, timeout: float | None = None):
+        """Wait for ``handle``, making progress on this thread; the engine's deadline
+        applies, or ``timeout`` seconds when given (a ``CollectiveTimeoutError`` then).
 
         Returns:
             The operation's result (raises its error).
         """
-        deadline = time.monotonic() + self.config.timeout + WAIT_SLACK_S
+        limit = self.config.timeout + WAIT_SLACK_S if timeout is None else timeout
+        deadline = time.monotonic() + limit
         if not handle.done():
             with self._lock:
                 self._drivers += 1

@@ -20,6 +20,7 @@ waiting for a partner that never comes.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,9 @@ import numpy as np
 from hvd_spark.collectives.operations import Handle
 from hvd_spark.collectives.ops import SUPPORTED_DTYPES, ReduceOp
 
+# After a packed request failed, how long a rank waits for the names it reported, and for
+# its tensors sent alone, to end (they do within milliseconds when every rank has them).
+SETTLE_S = 2.0
 # Tensors below this many bytes are packed (the size below which the ring also packs
 # fused tensors: past it, copying costs more than a tensor's own request).
 PACK_BELOW_BYTES = 64 * 1024
@@ -115,18 +119,23 @@ class Pack:
         members: Indices of the packed ones, in packing order.
         inplace: Whether results go back into the caller's arrays.
         report: Called with the names of the packed tensors when the packed request fails
-            (fails them on every rank, see the module docstring).
+            (fails them on every rank, see the module docstring); returns the reports'
+            handles.
         names: Every tensor's name in the group.
-        settle: Waits for a handle (driving the engine) and swallows its error: a tensor
-            sent alone still completes after the packed request failed, so its name is
-            free again when the caller's call returns.
+        settle: Waits for a handle (driving the engine) at most the given seconds and
+            swallows its error. All waits of one failed group share ``SETTLE_S``: a tensor
+            sent alone, and a reported name, still end after the packed request failed,
+            so their names are free again when the caller's call returns. (Not so for a
+            name only some ranks have, when the groups differ in length: it ends at the
+            collective timeout.)
     """
 
     def __init__(self, handle: Handle, arrays: Sequence[Any], members: list[int],
-                 inplace: bool, report: Callable[[list[str], BaseException], None],
-                 names: list[str], settle: Callable[[Handle], None]) -> None:
+                 inplace: bool, report: Callable[[list[str], BaseException], list[Handle]],
+                 names: list[str], settle: Callable[[Handle, float], None]) -> None:
         self.handle = handle
-        self.settle = settle
+        self._settle = settle
+        self._settle_by: float | None = None
         self._arrays = arrays
         self._inplace = inplace
         self._report = report
@@ -140,6 +149,12 @@ class Pack:
             offset += size
         self._reported = False
 
+    def settle(self, handle: Handle) -> None:
+        """Let ``handle`` end, within what is left of the group's ``SETTLE_S``."""
+        if self._settle_by is None:
+            self._settle_by = time.monotonic() + SETTLE_S
+        self._settle(handle, max(0.0, self._settle_by - time.monotonic()))
+
     def failed(self) -> bool:
         """True once the packed request finished with an error."""
         return self.handle.done() and self.handle.error is not None
@@ -152,7 +167,9 @@ class Pack:
         except BaseException as exc:
             if self.failed() and not self._reported:
                 self._reported = True
-                self._report([self._names[i] for i in self._members], exc)
+                # Sent all before waiting on any: other ranks' reports may wait on ours.
+                for report in self._report([self._names[i] for i in self._members], exc):
+                    self.settle(report)
             raise
 
     def part(self, index: int, timeout: float) -> np.ndarray:

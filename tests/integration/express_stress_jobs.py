@@ -103,9 +103,10 @@ def plan_steps(seed: int, thread: int, steps: int, solo: bool) -> list[dict]:
             item["post"] = rng.choice([1.0, 0.5])
             item["inplace"] = rng.random() < 0.5
             item["unnamed"] = thread == 0 and kind == "grouped" and rng.random() < 0.5
-            # Not "count" (one rank passing an extra tensor): that leaves the extra
-            # tensor's name in flight on that rank, so reusing the group's name later
-            # fails with "already in flight" (a known bug, see the report of this test).
+            # Not "count" (one rank passing an extra tensor): the error is immediate,
+            # but the extra tensor's name, which no other rank has, stays in flight on
+            # that rank until the collective timeout (a known limitation), so reusing
+            # the group's name soon after fails.
             item["how"] = rng.choice(("shape", "size", "dtype"))
         out.append(item)
     return out
@@ -280,13 +281,10 @@ def run_thread(seed: int, t: int, steps: int, ck: Checker, slow_rank: int, solo:
                 _grouped(item, name, key, ck, None)
             else:  # badgroup: one rank's group differs; then the same name works
                 bad = item["odd"] % size
-                # A "size" or "dtype" mismatch makes the ranks pack different tensors:
-                # one rank's lone tensor stays in flight for a moment after the error,
-                # so reusing the name at once fails with "already in flight" (a known
-                # bug, see this test's report). Those use a name never reused; a
-                # "shape" mismatch (the same tensors packed everywhere) reuses its name.
-                name = f"t{t}.bad" if item["how"] == "shape" else f"t{t}.bad.{key}"
-                _grouped(item, name, key, ck, bad)
+                # A "size" or "dtype" mismatch makes the ranks pack different tensors;
+                # the failed call still leaves no name in flight, so the name is reused
+                # at once.
+                _grouped(item, f"t{t}.bad", key, ck, bad)
                 _grouped(item, f"t{t}.bad", key + ".again", ck, None)
         except Exception as exc:  # noqa: BLE001 - reported with the step
             ck.fail(f"{key} {item['kind']}: {type(exc).__name__}: {exc}"[:800])

@@ -67,6 +67,9 @@ def _mismatched(r: int) -> list[list[np.ndarray]]:
         # Another dtype: another set of tensors is packed on each side.
         [np.ones(3, np.float32 if r == 0 else np.float64), np.ones(5, np.float64),
          np.ones(6, np.float32)],
+        # Another length: rank 0 has an extra tensor (its name, which no other rank has,
+        # stays in flight there until the collective timeout: not reused below).
+        [np.ones(2, np.float32), *([np.ones(3, np.float32)] if r == 0 else [])],
     ]
 
 
@@ -87,7 +90,8 @@ def mismatched_groups() -> dict:
         out["seconds"].append(time.monotonic() - start)
         # The same names again, alike on every rank: nothing was left in flight.
         good = [np.ones(a.shape, np.float32) for a in _mismatched(0)[i]]
-        results = hvd.grouped_allreduce(good, name=f"bad.{i}", op=hvd.Sum)
+        again = f"bad.{i}" if i < 3 else f"fresh.{i}"
+        results = hvd.grouped_allreduce(good, name=again, op=hvd.Sum)
         out["after"].append([float(x.reshape(-1)[0]) for x in results])
     hvd.shutdown()
     return out

@@ -44,8 +44,8 @@ def test_packed_handles_slice_the_packed_result_and_report_a_failure_once():
     reported = []
     handle = Handle("g.packed")
     pack = packing.Pack(handle, arrays, [0, 1], inplace=True,
-                        report=lambda names, exc: reported.append(names),
-                        names=["g.0", "g.1"], settle=lambda h: None)
+                        report=lambda names, exc: reported.append(names) or [],
+                        names=["g.0", "g.1"], settle=lambda h, seconds: None)
     parts = [packing.PartHandle(f"g.{i}", pack, i) for i in range(2)]
     assert not parts[0].done()
     handle.set_result(np.arange(7, dtype=np.float32))
@@ -54,8 +54,8 @@ def test_packed_handles_slice_the_packed_result_and_report_a_failure_once():
 
     failing = Handle("h.packed")
     pack = packing.Pack(failing, arrays, [1], inplace=False,
-                        report=lambda names, exc: reported.append(names),
-                        names=["h.0", "h.1"], settle=lambda h: None)
+                        report=lambda names, exc: reported.append(names) or [],
+                        names=["h.0", "h.1"], settle=lambda h, seconds: None)
     alone = Handle("h.0")
     guarded = packing.GuardedHandle(alone, pack)
     failing.set_error(CollectiveError("groups differ"))
