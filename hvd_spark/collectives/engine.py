@@ -567,7 +567,8 @@ class Engine(EngineCore):
             return
         self._next_pair_check = now + _PAIR_CHECK_S
         oldest = pairs.oldest()
-        if oldest is None or now - oldest <= self.config.stall_warning:
+        # Nothing to warn about or to fail yet (the timeout may come before the warning).
+        if oldest is None or now - oldest <= min(self.config.stall_warning, limit):
             return
         with self._lock:
             own = [(n, t) for n, (_, t) in pairs.own.items() if now - t > limit]

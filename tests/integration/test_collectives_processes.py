@@ -401,8 +401,8 @@ def test_init_outside_launcher_is_a_one_rank_job():
         "0 1 0 1 True", "[1.0, 3.0] [1.0, 1.0]", "[7] [0, 1]", "[0.0, 1.0, 2.0, 3.0] 0", "done"]
 
 
-@pytest.mark.parametrize("late", [1, 0])
-def test_missing_rank_warns_then_times_out(tmp_path, late):
+@pytest.mark.parametrize("late,warn_s", [(1, 1), (0, 1), (1, 60), (0, 60)])
+def test_missing_rank_warns_then_times_out(tmp_path, late, warn_s):
     script = tmp_path / "late.py"
     script.write_text(
         "import time, numpy as np, hvd_spark.collectives as hvd\n"
@@ -422,10 +422,12 @@ def test_missing_rank_warns_then_times_out(tmp_path, late):
         "        print(f'RAISED {time.monotonic() - start:.1f} {exc}')\n"
         "    time.sleep(9)\n"  # alive while the late rank's call times out
     )
-    env = {**os.environ, "HVD_SPARK_TIMEOUT": "3", "HVD_SPARK_STALL_WARNING_TIME": "1"}
+    # The timeout holds whether the stall warning comes before it or (the default) after.
+    env = {**os.environ, "HVD_SPARK_TIMEOUT": "3", "HVD_SPARK_STALL_WARNING_TIME": str(warn_s)}
     proc = subprocess.run([sys.executable, "-m", "hvd_spark.runner", "-np", "2", sys.executable,
                            str(script)], capture_output=True, text=True, timeout=60, env=env)
-    assert f"'lonely' has waited over 1 s for ranks [{late}]" in proc.stderr
+    warned = f"'lonely' has waited over {warn_s} s for ranks [{late}]" in proc.stderr
+    assert warned == (warn_s < 3), proc.stderr
     raised = [ln for ln in proc.stdout.splitlines() if "RAISED" in ln]
     assert raised and f"ranks [{late}] did not submit it within 3.0 s" in raised[0]
     assert float(raised[0].split()[2]) < 6
