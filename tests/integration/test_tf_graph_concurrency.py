@@ -175,3 +175,54 @@ def test_v1_graphs_threads_and_failures_never_deadlock():
                 assert value == [2.0 * i, 2.0 * i], (i, value)
         assert "shape" in res["graph_bad"], res["graph_bad"]
         assert res["graph_after"] == [2.0, 2.0]
+
+
+def _functions_at_once_worker() -> dict:
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import threading
+    import time
+
+    import tensorflow as tf
+
+    import hvd_spark.tensorflow as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    # More functions at once than this host's inter-op pool has threads (one per core).
+    n = 3 * max(2, len(os.sched_getaffinity(0)))
+    fns = {t: tf.function(lambda x, t=t: hvd.allreduce(x, op=hvd.Sum, name=f"at_once{t}"))
+           for t in range(n)}
+    together = threading.Barrier(n)
+    results: dict = {}
+    errors: list = []
+
+    def work(t: int) -> None:
+        try:
+            fns[t].get_concrete_function(tf.TensorSpec([1], tf.float32))  # traced here
+            x = tf.constant([float(t + r)])
+            together.wait(30)  # then every thread calls its function at once
+            results[t] = fns[t](x).numpy().tolist()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors.append(f"{t}: {type(exc).__name__}: {exc}"[:500])
+
+    order = list(range(n)) if r == 0 else list(reversed(range(n)))
+    start = time.monotonic()
+    threads = [threading.Thread(target=work, args=(t,)) for t in order]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    return {"n": n, "results": results, "errors": errors, "seconds": time.monotonic() - start,
+            "alive": any(th.is_alive() for th in threads)}
+
+
+def test_tf_functions_called_from_threads_at_once_in_opposite_orders():
+    # Each rank's threads start in the other order, all released at once: blocking kernels
+    # would fill each rank's pool with different collectives and wait for the timeout.
+    r0, r1 = run_local(_functions_at_once_worker, num_proc=2,
+                       env={**ENV, "HVD_SPARK_TIMEOUT": "20"})
+    for res in (r0, r1):
+        assert res["errors"] == [] and not res["alive"]
+        assert res["results"] == {t: [2.0 * t + 1] for t in range(res["n"])}
+        assert res["seconds"] < 15  # nothing waited for the timeout
+

@@ -90,3 +90,23 @@ def test_sync_batch_norm_alone_is_batch_norm():
     x = tf.constant(np.arange(8, dtype="float32").reshape(4, 2))
     sync, plain = hvd.SyncBatchNormalization(fused=False), keras.layers.BatchNormalization()
     np.testing.assert_allclose(sync(x, training=True), plain(x, training=True), rtol=1e-6)
+
+
+def _node_types_of_a_traced_collective() -> set[str]:
+    fn = tf.function(lambda x: kernel.run(lambda a: [a * 2], [x], [tf.float32]))
+    graph = fn.get_concrete_function(tf.TensorSpec([2], tf.float32)).graph
+    return {"PyFunc" if "PyFunc" in op.type else op.type for op in graph.get_operations()}
+
+
+def test_functions_traced_off_the_main_thread_get_deadlock_free_nodes():
+    import threading
+
+    on_main = _node_types_of_a_traced_collective()
+    assert "PyFunc" in on_main and "DatasetToSingleElement" not in on_main
+    seen: dict = {}
+    thread = threading.Thread(
+        target=lambda: seen.update(types=_node_types_of_a_traced_collective()))
+    thread.start()
+    thread.join(60)
+    # Other threads may run their functions at once: the node must free its pool thread.
+    assert "DatasetToSingleElement" in seen["types"] and "PyFunc" not in seen["types"]
