@@ -24,7 +24,13 @@ from hvd_spark.collectives.buffers import OUTPUTS
 from hvd_spark.collectives.engine import Engine
 from hvd_spark.collectives.heartbeat import DEFAULT_HEARTBEAT_S, Heartbeat
 from hvd_spark.collectives.operations import Entry, Handle
-from hvd_spark.collectives.ops import ReduceOp, check_dtype, check_reduction, scale_in_place
+from hvd_spark.collectives.ops import (
+    ReduceOp,
+    array_of,
+    check_dtype,
+    check_reduction,
+    scale_in_place,
+)
 from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.mesh import build_mesh
@@ -334,15 +340,13 @@ def _entry(key: str, built: tuple) -> Entry:
     return entry
 
 
-def _as_array(array: Any, what: str) -> np.ndarray:
-    if not isinstance(array, np.ndarray):
-        if isinstance(array, (int, float, bool, np.generic)):
-            array = np.asarray(array)
-        else:
-            raise CollectiveArgumentError(
-                f"{what} expects a numpy array, got {type(array).__name__}; "
-                "use the torch/tensorflow bindings for framework tensors"
-            )
+def _as_array(value: Any, what: str) -> np.ndarray:
+    array = array_of(value)
+    if array is None:
+        raise CollectiveArgumentError(
+            f"{what} expects a numpy array, got {type(value).__name__}; "
+            "use the torch/tensorflow bindings for framework tensors"
+        )
     check_dtype(array.dtype, what)
     return array
 
@@ -503,12 +507,17 @@ def _many(kind: str, keys: list[str], builds: list, members,
     return engine.submit_many(entries) if entries else []
 
 
-def _grouped(kind: str, arrays, name, process_set, make_build) -> list[Handle]:
+def _group_names(kind: str, arrays, name, process_set) -> tuple[list[int], str, list[str]]:
+    """A grouped call's members, base name and one key per array (checks the list)."""
     if isinstance(arrays, np.ndarray) or not isinstance(arrays, Sequence):
         raise ConfigError(f"grouped {kind} expects a list of arrays, got {type(arrays).__name__}")
     members = _members(process_set, f"grouped {kind}")
     base = auto_name(f"grouped_{kind}", name, process_set)
-    keys = [f"{base}.{i}" for i in range(len(arrays))]
+    return members, base, [f"{base}.{i}" for i in range(len(arrays))]
+
+
+def _grouped(kind: str, arrays, name, process_set, make_build) -> list[Handle]:
+    members, _, keys = _group_names(kind, arrays, name, process_set)
     return _many(kind, keys, [make_build(a) for a in arrays], members)
 
 
@@ -536,12 +545,7 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
                        process_set: ProcessSet, inplace: bool) -> list[Handle]:
     """A grouped allreduce: its small tensors packed into one request, the others one by
     one, all in one batch (see ``packing``)."""
-    if isinstance(arrays, np.ndarray) or not isinstance(arrays, Sequence):
-        raise ConfigError(
-            f"grouped allreduce expects a list of arrays, got {type(arrays).__name__}")
-    members = _members(process_set, "grouped allreduce")
-    base = auto_name("grouped_allreduce", name, process_set)
-    keys = [f"{base}.{i}" for i in range(len(arrays))]
+    members, base, keys = _group_names(m.ALLREDUCE, arrays, name, process_set)
 
     def build(a):
         return _allreduce_build(a, op, prescale, postscale, inplace)

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -128,6 +129,16 @@ def is_floating(dtype: np.dtype) -> bool:
     if not isinstance(dtype, np.dtype):
         dtype = np.dtype(dtype)
     return dtype in _FLOATING
+
+
+def array_of(value: Any) -> np.ndarray | None:
+    """``value`` as a numpy array when it is one or a Python/numpy scalar, else None (a
+    framework tensor or anything else, which the caller rejects in its own words)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (int, float, bool, np.generic)):
+        return np.asarray(value)
+    return None
 
 
 def check_dtype(dtype: np.dtype, name: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from hvd_spark.collectives.operations import Handle
-from hvd_spark.collectives.ops import SUPPORTED_DTYPES, ReduceOp
+from hvd_spark.collectives.ops import SUPPORTED_DTYPES, ReduceOp, array_of
 
 # After a packed request failed, how long a rank waits for the names it reported, and for
 # its tensors sent alone, to end (they do within milliseconds when every rank has them).
@@ -41,19 +41,11 @@ _NAMES = {code: str(dtype) for dtype, code in _CODES.items()}
 _OTHER = -1  # not a supported array: its own checks fail it
 
 
-def _as_array(value: Any) -> np.ndarray | None:
-    if type(value) is np.ndarray:
-        return value
-    if isinstance(value, (int, float, bool, np.generic)):
-        return np.asarray(value)
-    return None
-
-
 def layout_of(arrays: Sequence[Any]) -> tuple[int, ...]:
     """Every tensor's dtype and shape, flat: ``(dtype code, ndim, *shape)`` each."""
     out: list[int] = []
     for value in arrays:
-        arr = _as_array(value)
+        arr = array_of(value)
         code = _OTHER if arr is None else _CODES.get(arr.dtype, _OTHER)
         shape = () if arr is None or code == _OTHER else arr.shape
         out += [code, len(shape), *shape]

@@ -97,8 +97,9 @@ class ResponseCache:
     def __init__(self) -> None:
         self._known: dict[int, _Known] = {}
         self._by_signature: dict[tuple, int] = {}
-        # (dtype, shape, op, postscale) -> number of such an allreduce (see number_of)
-        self._riding: dict[tuple, int | None] = {}
+        # (dtype, shape, op, postscale) -> number of such an allreduce, or None when the
+        # ranks have not agreed on one (a memo of number_of)
+        self._number_by_args: dict[tuple, int | None] = {}
         self._heads: dict[tuple[int, str, bool], bytes] = {}  # see head_one
 
     def __len__(self) -> int:
@@ -113,7 +114,7 @@ class ResponseCache:
         old = self._known.get(number)
         if old is not None and old.signature == sig and self._by_signature.get(sig) == number:
             return  # known already (every eager round of an uncached name says it again)
-        self._riding.clear()  # numbers move: look them up anew
+        self._number_by_args.clear()  # numbers move: look them up anew
         if old is not None and self._by_signature.get(old.signature) == number:
             del self._by_signature[old.signature]
         self._known[number] = _Known(sig, np.dtype(request.dtype), math.prod(request.shape),
@@ -140,13 +141,13 @@ class ResponseCache:
         the global process set), or None when the ranks have not agreed on one yet."""
         key = (dtype, shape, op, postscale)
         try:
-            return self._riding[key]
+            return self._number_by_args[key]
         except KeyError:
             pass
-        if len(self._riding) >= 4 * CAPACITY:
-            self._riding.clear()  # shapes never agreed on (past the cache's capacity)
+        if len(self._number_by_args) >= 4 * CAPACITY:
+            self._number_by_args.clear()  # shapes never agreed on (past the cache's capacity)
         probe = Request("", m.ALLREDUCE, dtype.name, shape, int(op), 1.0, float(postscale))
-        number = self._riding[key] = self._by_signature.get(signature(probe))
+        number = self._number_by_args[key] = self._by_signature.get(signature(probe))
         return number
 
     def head_one(self, number: int, name: str, riding: bool) -> bytes:
