@@ -44,6 +44,9 @@ def _raw_grouped_allreduce(tensors: list[tf.Tensor], op: ReduceOp, prescale: flo
     base = kernel.graph_name("grouped_allreduce", name)
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
+        if len(arrays) == 1:  # ``allreduce``: one tensor gains nothing from being grouped
+            return [C.allreduce(arrays[0], base, op, prescale, postscale,
+                                process_set=process_set)]
         return C.grouped_allreduce(list(arrays), base, op, prescale, postscale,
                                    process_set=process_set)
 
