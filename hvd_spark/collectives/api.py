@@ -546,6 +546,8 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
     """A grouped allreduce: its small tensors packed into one request, the others one by
     one, all in one batch (see ``packing``)."""
     members, base, keys = _group_names(m.ALLREDUCE, arrays, name, process_set)
+    if not keys:
+        return []  # nothing to send (the automatic name is used up on every rank alike)
 
     def build(a):
         return _allreduce_build(a, op, prescale, postscale, inplace)
@@ -555,13 +557,19 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
         return _many(m.ALLREDUCE, keys, [build(a) for a in arrays], members)
     in_pack = set(packed)
     alone = [i for i in range(len(arrays)) if i not in in_pack]
-    layout = packing.layout_of(arrays)
+    layout = packing.layout_of(arrays, packed)
     pack_build = _allreduce_build(packing.gather(arrays, packed), op, prescale, postscale,
                                   inplace=True)
 
     def build_pack(key: str, members):
-        request, *rest = pack_build(key, members)
-        return (dataclasses.replace(request, layout=layout), *rest)
+        request, work, _ = pack_build(key, members)
+
+        def finish(result: np.ndarray) -> np.ndarray:
+            if inplace:  # when the request completes, as any in-place allreduce
+                packing.scatter(result, arrays, packed)
+            return result
+
+        return dataclasses.replace(request, layout=layout), work, finish
 
     pack_key = f"{base}.packed"
     handles = _many(m.ALLREDUCE, [pack_key, *(keys[i] for i in alone)],

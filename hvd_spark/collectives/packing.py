@@ -41,9 +41,15 @@ _NAMES = {code: str(dtype) for dtype, code in _CODES.items()}
 _OTHER = -1  # not a supported array: its own checks fail it
 
 
-def layout_of(arrays: Sequence[Any]) -> tuple[int, ...]:
-    """Every tensor's dtype and shape, flat: ``(dtype code, ndim, *shape)`` each."""
-    out: list[int] = []
+def layout_of(arrays: Sequence[Any], members: Sequence[int] = ()) -> tuple[int, ...]:
+    """The group as the ranks must agree on it, flat: which tensors travel packed
+    (``len(members), *members``), then every tensor's ``(dtype code, ndim, *shape)``.
+
+    The members are part of it because each rank decides them from its own values (a
+    scalar or a read-only array is not packed, an array of the same dtype and shape is):
+    two ranks packing different tensors of equal size must fail, not mix them.
+    """
+    out: list[int] = [len(members), *members]
     for value in arrays:
         arr = array_of(value)
         code = _OTHER if arr is None else _CODES.get(arr.dtype, _OTHER)
@@ -53,17 +59,19 @@ def layout_of(arrays: Sequence[Any]) -> tuple[int, ...]:
 
 
 def describe(layout: tuple[int, ...] | None, limit: int = 6) -> str:
-    """A layout as ``"3 tensors: float32[4, 2], float16[7], ..."`` for an error message."""
+    """A layout as ``"3 tensors: float32[4, 2], float16[7], ...; packed: [0, 1]"`` for an
+    error message."""
     if layout is None:
         return "no layout"
-    items, at = [], 0
+    packed = list(layout[1 : 1 + layout[0]])
+    items, at = [], 1 + layout[0]
     while at < len(layout):
         code, ndim = layout[at], layout[at + 1]
         shape = list(layout[at + 2 : at + 2 + ndim])
         items.append(f"{_NAMES.get(code, 'unsupported')}{shape}")
         at += 2 + ndim
     shown = ", ".join(items[:limit]) + (", ..." if len(items) > limit else "")
-    return f"{len(items)} tensors: {shown}"
+    return f"{len(items)} tensors: {shown}" + (f"; packed: {packed}" if packed else "")
 
 
 def packable(value: Any, inplace: bool) -> np.ndarray | None:
@@ -93,6 +101,15 @@ def plan(arrays: Sequence[Any], op: Any, inplace: bool) -> list[int] | None:
     best = max(counts.values())
     dtype = next(d for _, d in small if counts[d] == best)
     return [i for i, d in small if d == dtype]
+
+
+def scatter(packed: np.ndarray, arrays: Sequence[np.ndarray], members: list[int]) -> None:
+    """Write the reduced ``packed`` array back into the members' own arrays (in place)."""
+    offset = 0
+    for i in members:
+        target = arrays[i]
+        target[...] = packed[offset : offset + target.size].reshape(target.shape)
+        offset += target.size
 
 
 def gather(arrays: Sequence[np.ndarray], members: list[int]) -> np.ndarray:
@@ -165,16 +182,15 @@ class Pack:
             raise
 
     def part(self, index: int, timeout: float) -> np.ndarray:
-        """Tensor ``index``'s result: written back into the caller's array (in place), or
-        a view of the packed result shaped as the input."""
+        """Tensor ``index``'s result: the caller's own array (in place: the packed
+        request's finish wrote it back, see ``scatter``), or a view of the packed result
+        shaped as the input."""
         packed = self.result(timeout)
-        offset, size = self.slots[index]
-        piece = packed[offset : offset + size]
         target = self._arrays[index]
         if self._inplace:
-            target[...] = piece.reshape(target.shape)
             return target
-        return piece.reshape(np.shape(target))
+        offset, size = self.slots[index]
+        return packed[offset : offset + size].reshape(np.shape(target))
 
 
 class PartHandle(Handle):

@@ -39,12 +39,15 @@ def resolve_op(op: Any, average: bool | None) -> ReduceOp:
 
 
 def _raw_grouped_allreduce(tensors: list[tf.Tensor], op: ReduceOp, prescale: float,
-                           postscale: float, name: str | None,
-                           process_set: ProcessSet) -> list[tf.Tensor]:
-    base = kernel.graph_name("grouped_allreduce", name)
+                           postscale: float, name: str | None, process_set: ProcessSet,
+                           single: bool = False) -> list[tf.Tensor]:
+    """``single``: ``allreduce``'s one tensor, a plain allreduce (a group of one would
+    travel packed: a copy in and out, and a layout). A ``grouped_allreduce`` of one stays
+    a group, so a rank whose group has another length fails at once with the layout error."""
+    base = kernel.graph_name("allreduce" if single else "grouped_allreduce", name)
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
-        if len(arrays) == 1:  # ``allreduce``: one tensor gains nothing from being grouped
+        if single:
             return [C.allreduce(arrays[0], base, op, prescale, postscale,
                                 process_set=process_set)]
         return C.grouped_allreduce(list(arrays), base, op, prescale, postscale,
@@ -58,20 +61,23 @@ def _raw_grouped_allreduce(tensors: list[tf.Tensor], op: ReduceOp, prescale: flo
 
 
 def _dense_group(tensors: list[tf.Tensor], op: ReduceOp, prescale: float, postscale: float,
-                 name: str | None, process_set: ProcessSet) -> list[tf.Tensor]:
+                 name: str | None, process_set: ProcessSet,
+                 single: bool = False) -> list[tf.Tensor]:
     """Reduce dense tensors in one fused operation; differentiable for Sum/Average/Adasum."""
     if not (op in _DIFFERENTIABLE and kernel.needs_gradient()
             and all(t.dtype.is_floating for t in tensors)):
-        return _raw_grouped_allreduce(tensors, op, prescale, postscale, name, process_set)
+        return _raw_grouped_allreduce(tensors, op, prescale, postscale, name, process_set,
+                                      single)
 
     @tf.custom_gradient
     def with_grad(*xs):
-        ys = _raw_grouped_allreduce(list(xs), op, prescale, postscale, name, process_set)
+        ys = _raw_grouped_allreduce(list(xs), op, prescale, postscale, name, process_set,
+                                    single)
 
         def grad(*dys):
             gname = None if name is None else f"{name}.grad"
             return _raw_grouped_allreduce([tf.convert_to_tensor(d) for d in dys], op,
-                                          prescale, postscale, gname, process_set)
+                                          prescale, postscale, gname, process_set, single)
 
         return ys, grad
 
@@ -186,7 +192,7 @@ def allreduce(
     x = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(x)
     reduced = _dense_group([compressed], op, prescale_factor, postscale_factor, name,
-                           process_set)[0]
+                           process_set, single=True)[0]
     return compression.decompress(reduced, ctx)
 
 

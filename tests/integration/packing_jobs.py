@@ -67,6 +67,9 @@ def _mismatched(r: int) -> list[list[np.ndarray]]:
         # Another dtype: another set of tensors is packed on each side.
         [np.ones(3, np.float32 if r == 0 else np.float64), np.ones(5, np.float64),
          np.ones(6, np.float32)],
+        # Equal layouts packed differently: a scalar is not packed, a 0-d array is.
+        [np.float32(1.0), np.asarray(2.0, np.float32)] if r == 0 else
+        [np.asarray(1.0, np.float32), np.float32(2.0)],
         # Another length: rank 0 has an extra tensor (its name, which no other rank has,
         # stays in flight there until the collective timeout: not reused below).
         [np.ones(2, np.float32), *([np.ones(3, np.float32)] if r == 0 else [])],
@@ -90,8 +93,27 @@ def mismatched_groups() -> dict:
         out["seconds"].append(time.monotonic() - start)
         # The same names again, alike on every rank: nothing was left in flight.
         good = [np.ones(a.shape, np.float32) for a in _mismatched(0)[i]]
-        again = f"bad.{i}" if i < 3 else f"fresh.{i}"
+        again = f"bad.{i}" if i < 4 else f"fresh.{i}"
         results = hvd.grouped_allreduce(good, name=again, op=hvd.Sum)
         out["after"].append([float(x.reshape(-1)[0]) for x in results])
     hvd.shutdown()
     return out
+
+
+def inplace_done_before_wait() -> dict:
+    """An in-place grouped allreduce's arrays hold the results once its handles poll done,
+    before anyone synchronizes (as for any in-place allreduce)."""
+    hvd.init()
+    r = hvd.rank()
+    arrays = [np.full(4, r + 1.0, np.float32), np.full((2, 3), 10.0 * (r + 1), np.float32),
+              np.full(50000, r + 1.0, np.float32)]  # two packed, one alone
+    handles = hvd.grouped_allreduce_async_(arrays, name="polled", op=hvd.Sum)
+    deadline = time.monotonic() + 30
+    while not all(hvd.poll(h) for h in handles) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    seen = [a.copy() for a in arrays]  # read before any synchronize
+    results = [hvd.synchronize(h) for h in handles]
+    same = all(x is y for x, y in zip(results, arrays))
+    hvd.shutdown()
+    return {"seen": seen, "same": same}
+

@@ -58,4 +58,13 @@ def test_groups_that_differ_between_ranks_fail_at_once_on_every_rank():
             assert error is not None, f"case {i}: no error"
             assert "different groups of tensors" in error and "rank 1:" in error, error
             assert seconds < 10, f"case {i} took {seconds:.1f} s"  # not the 60 s timeout
-        assert res["after"] == [[2.0] * 2, [2.0] * 3, [2.0] * 3, [2.0] * 2]
+        assert res["after"] == [[2.0] * 2, [2.0] * 3, [2.0] * 3, [2.0] * 2, [2.0] * 2]
+
+
+
+def test_inplace_group_is_written_back_when_its_handles_are_done():
+    for res in run_local(jobs.inplace_done_before_wait, num_proc=2, env=ENV):
+        assert res["same"]
+        want = [np.full(4, 3.0), np.full((2, 3), 30.0), np.full(50000, 3.0)]
+        for got, w in zip(res["seen"], want):
+            np.testing.assert_array_equal(got, w)

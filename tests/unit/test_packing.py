@@ -35,6 +35,11 @@ def test_layout_tells_groups_apart_and_reads_in_errors():
     assert a != packing.layout_of([np.ones((3, 2), np.float32), np.ones(5, np.float16), 1.5])
     assert a != packing.layout_of([np.ones((2, 3), np.float64), np.ones(5, np.float16), 1.5])
     assert packing.describe(a) == "3 tensors: float32[2, 3], float16[5], float64[]"
+    # Which tensors a rank packs is part of it: equal sizes packed differently must differ.
+    two = [np.ones(1, np.float32), np.float32(2.0)]
+    assert packing.layout_of(two, [0]) != packing.layout_of(two, [1])
+    assert packing.describe(packing.layout_of(two, [0])) == (
+        "2 tensors: float32[1], float32[]; packed: [0]")
     many = packing.layout_of([np.ones(1)] * 9)
     assert packing.describe(many).endswith(", ...") and packing.describe(many).startswith("9 ")
 
@@ -48,7 +53,10 @@ def test_packed_handles_slice_the_packed_result_and_report_a_failure_once():
                         names=["g.0", "g.1"], settle=lambda h, seconds: None)
     parts = [packing.PartHandle(f"g.{i}", pack, i) for i in range(2)]
     assert not parts[0].done()
-    handle.set_result(np.arange(7, dtype=np.float32))
+    result = np.arange(7, dtype=np.float32)
+    packing.scatter(result, arrays, [0, 1])  # the packed request's finish, as it completes
+    assert arrays[0].tolist() == [0, 1, 2]  # written back before anyone waits
+    handle.set_result(result)
     assert parts[1].wait(1.0) is arrays[1] and arrays[1].tolist() == [[3, 4], [5, 6]]
     assert parts[0].wait(1.0).tolist() == [0, 1, 2]
 

@@ -38,7 +38,7 @@ from hvd_spark.collectives.mpi.response_cache import (
     cacheable,
 )
 from hvd_spark.collectives.operations import Entry, Handle
-from hvd_spark.collectives.ops import ReduceOp, finish_reduction, reduce_rows
+from hvd_spark.collectives.ops import SUPPORTED_DTYPES, ReduceOp, finish_reduction, reduce_rows
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError, HvdSparkError
 
@@ -118,14 +118,24 @@ class MpiEngine(EngineCore):
             The result (``array`` itself when ``inplace``), or None when this call does
             not qualify (the caller then submits it as usual, under the same name).
         """
-        if (op == ReduceOp.Adasum or not array.flags.c_contiguous
+        if (array.dtype not in SUPPORTED_DTYPES or not array.flags.c_contiguous
                 or (inplace and not array.flags.writeable) or self._pending or self._queue
                 or self._failure is not None or self._stopping or self._stopped):
+            return None  # the usual path checks (and names the problem), or waits its turn
+        try:  # as the usual path reads them, so every rank computes the same bits
+            op, postscale = ReduceOp(op), float(postscale)
+        except (TypeError, ValueError):
             return None
-        if not self._progress.acquire(blocking=False):
+        if op == ReduceOp.Adasum or not self._progress.acquire(blocking=False):
             return None
         entry = None
+        claimed = False
         try:
+            with self._lock:  # the name is ours until this call ends (see submit_many)
+                if name in self._names_in_flight:
+                    return None  # the usual path reports the clash
+                self._names_in_flight.add(name)
+                claimed = True
             # Under the progress lock: a round running elsewhere may be teaching the cache.
             number = self._cache.number_of(array.dtype, array.shape, op, postscale)
             if (number is None or self._pending or self._queue or self._failure is not None
@@ -173,6 +183,9 @@ class MpiEngine(EngineCore):
                 if entry is None:
                     raise self._error_for(name) from exc
         finally:
+            if claimed and entry is None:
+                with self._lock:
+                    self._names_in_flight.discard(name)
             self._driver_left_at = time.monotonic()
             self._progress.release()
         return self.wait(entry.handle)
@@ -189,8 +202,7 @@ class MpiEngine(EngineCore):
         else:
             entry = Entry(request, Handle(name), OUTPUTS.empty(array.shape, array.dtype),
                           source=array)
-        with self._lock:
-            self._names_in_flight.add(name)
+        with self._lock:  # the name is in flight already (claimed by express_allreduce)
             self._pending[name] = entry
         return entry
 
