@@ -225,7 +225,7 @@ class EngineCore(abc.ABC):
                 with self._lock:
                     self._drivers -= 1
                     self._driver_left_at = time.monotonic()
-        return handle.wait(max(0.0, deadline - time.monotonic()))
+        return handle.wait(max(0.0, deadline - time.monotonic()), waited=limit)
 
     def _drive_until(self, handle: Handle, deadline: float) -> None:
         while not handle.done():

@@ -78,11 +78,15 @@ class Handle:
             self._pending.release()  # let every other waiter through too
         return self._done
 
-    def wait(self, timeout: float) -> Any:
-        """Block until done, at most ``timeout`` s; return the result or raise its error."""
+    def wait(self, timeout: float, waited: float | None = None) -> Any:
+        """Block until done, at most ``timeout`` s; return the result or raise its error.
+
+        ``waited``: the caller's whole wait so far, for the timeout's message (else
+        ``timeout``)."""
         if not self.wait_done(timeout):
             raise CollectiveTimeoutError(
-                f"collective {self.name!r} did not complete within {timeout} s; some rank may "
+                f"collective {self.name!r} did not complete within "
+                f"{timeout if waited is None else round(waited, 1)} s; some rank may "
                 "not have called it (check names and call order), or raise HVD_SPARK_TIMEOUT"
             )
         if self._error is not None:

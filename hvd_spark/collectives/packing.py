@@ -168,11 +168,11 @@ class Pack:
         """True once the packed request finished with an error."""
         return self.handle.done() and self.handle.error is not None
 
-    def result(self, timeout: float) -> np.ndarray:
+    def result(self, timeout: float, waited: float | None = None) -> np.ndarray:
         """The reduced packed array (raises the packed request's error, after failing the
         packed tensors' names on every rank once)."""
         try:
-            return self.handle.wait(timeout)
+            return self.handle.wait(timeout, waited)
         except BaseException as exc:
             if self.failed() and not self._reported:
                 self._reported = True
@@ -181,11 +181,11 @@ class Pack:
                     self.settle(report)
             raise
 
-    def part(self, index: int, timeout: float) -> np.ndarray:
+    def part(self, index: int, timeout: float, waited: float | None = None) -> np.ndarray:
         """Tensor ``index``'s result: the caller's own array (in place: the packed
         request's finish wrote it back, see ``scatter``), or a view of the packed result
         shaped as the input."""
-        packed = self.result(timeout)
+        packed = self.result(timeout, waited)
         target = self._arrays[index]
         if self._inplace:
             return target
@@ -214,9 +214,9 @@ class PartHandle(Handle):
     def wait_done(self, timeout: float) -> bool:  # noqa: D102
         return self._pack.handle.wait_done(timeout)
 
-    def wait(self, timeout: float) -> Any:  # noqa: D102
+    def wait(self, timeout: float, waited: float | None = None) -> Any:  # noqa: D102
         if not self._have:
-            self._value = self._pack.part(self._index, timeout)
+            self._value = self._pack.part(self._index, timeout, waited)
             self._have = True
         return self._value
 
@@ -246,14 +246,14 @@ class GuardedHandle(Handle):
     def wait_done(self, timeout: float) -> bool:  # noqa: D102
         return self.done() or self._inner.wait_done(timeout)
 
-    def wait(self, timeout: float) -> Any:  # noqa: D102
+    def wait(self, timeout: float, waited: float | None = None) -> Any:  # noqa: D102
         if self._pack.failed():
             try:
                 self._pack.result(timeout)  # raises the packed request's error
             finally:
                 # After the reports: a partner this tensor waits for may need them.
                 self._pack.settle(self._inner)
-        return self._inner.wait(timeout)
+        return self._inner.wait(timeout, waited)
 
     def set_result(self, result: Any) -> None:  # noqa: D102
         raise TypeError("a guarded handle completes with its own operation")

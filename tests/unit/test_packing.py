@@ -76,3 +76,19 @@ def test_packed_handles_slice_the_packed_result_and_report_a_failure_once():
         else:
             raise AssertionError("the packed request's error must come first")
     assert reported == [["h.1"]]
+
+
+def test_a_timed_out_wait_names_the_whole_wait_not_what_was_left_of_it():
+    from hvd_spark.errors import CollectiveTimeoutError
+
+    handle = Handle("slow")
+    pack = packing.Pack(handle, [np.ones(2, np.float32)], [0], inplace=False,
+                        report=lambda names, exc: [], names=["g.0"],
+                        settle=lambda h, seconds: None)
+    for h in (handle, packing.PartHandle("g.0", pack, 0)):
+        try:
+            h.wait(0.0, waited=42.0)  # the engine's deadline passed while it drove
+        except CollectiveTimeoutError as exc:
+            assert "within 42.0 s" in str(exc), exc
+        else:
+            raise AssertionError("an unfinished handle returned")
