@@ -10,9 +10,10 @@ one by one as before, still fused by the engine.
 
 Ranks must pack alike, and they decide from their own tensors. So every grouped allreduce
 (but Adasum's, which is not element-wise) sends the packed request, empty or not, and it
-carries the layout of the whole group (every tensor's dtype and shape,
-``Request.layout``): groups that differ between ranks fail at once with one error that
-shows both. After that error each rank fails the names of the tensors it packed on every
+carries the layout of the whole group (which tensors it packs, every tensor's dtype and
+shape, ``Request.layout``): groups that differ between ranks fail at once with one error
+that shows both. In place, the packed result is written back into the caller's arrays
+when the request completes, as for any in-place allreduce. After that error each rank fails the names of the tensors it packed on every
 rank (``report``), so a tensor that another rank sent on its own fails too instead of
 waiting for a partner that never comes.
 """
