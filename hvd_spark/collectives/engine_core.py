@@ -208,7 +208,9 @@ class EngineCore(abc.ABC):
 
     def wait(self, handle: Handle, timeout: float | None = None):
         """Wait for ``handle``, making progress on this thread; the engine's deadline
-        applies, or ``timeout`` seconds when given (a ``CollectiveTimeoutError`` then).
+        applies, or ``timeout`` seconds when given (a ``CollectiveTimeoutError`` then;
+        under MPI a negotiation round this thread began runs to its end first, which the
+        engine's deadline bounds).
 
         Returns:
             The operation's result (raises its error).
