@@ -12,10 +12,12 @@ Ranks must pack alike, and they decide from their own tensors. So every grouped 
 (but Adasum's, which is not element-wise) sends the packed request, empty or not, and it
 carries the layout of the whole group (which tensors it packs, every tensor's dtype and
 shape, ``Request.layout``): groups that differ between ranks fail at once with one error
-that shows both. In place, the packed result is written back into the caller's arrays
-when the request completes, as for any in-place allreduce. After that error each rank fails the names of the tensors it packed on every
-rank (``report``), so a tensor that another rank sent on its own fails too instead of
-waiting for a partner that never comes.
+that shows both. After that error each rank fails the names of the tensors it packed on
+every rank (``report``), so a tensor that another rank sent on its own fails too instead
+of waiting for a partner that never comes.
+
+In place, the packed result is written back into the caller's arrays when the packed
+request completes (its ``finish``), as for any in-place allreduce.
 """
 
 from __future__ import annotations
@@ -104,13 +106,20 @@ def plan(arrays: Sequence[Any], op: Any, inplace: bool) -> list[int] | None:
     return [i for i, d in small if d == dtype]
 
 
+def slots_of(arrays: Sequence[Any], members: list[int]) -> dict[int, tuple[int, int]]:
+    """Where each member lies in the packed array: ``{index: (offset, size)}``."""
+    slots, offset = {}, 0
+    for i in members:
+        size = int(np.asarray(arrays[i]).size)
+        slots[i] = (offset, size)
+        offset += size
+    return slots
+
+
 def scatter(packed: np.ndarray, arrays: Sequence[np.ndarray], members: list[int]) -> None:
     """Write the reduced ``packed`` array back into the members' own arrays (in place)."""
-    offset = 0
-    for i in members:
-        target = arrays[i]
-        target[...] = packed[offset : offset + target.size].reshape(target.shape)
-        offset += target.size
+    for i, (offset, size) in slots_of(arrays, members).items():
+        arrays[i][...] = packed[offset : offset + size].reshape(arrays[i].shape)
 
 
 def gather(arrays: Sequence[np.ndarray], members: list[int]) -> np.ndarray:
@@ -151,12 +160,7 @@ class Pack:
         self._report = report
         self._names = names
         self._members = members
-        self.slots: dict[int, tuple[int, int]] = {}
-        offset = 0
-        for i in members:
-            size = int(np.asarray(arrays[i]).size)
-            self.slots[i] = (offset, size)
-            offset += size
+        self.slots = slots_of(arrays, members)
         self._reported = False
 
     def settle(self, handle: Handle) -> None:
