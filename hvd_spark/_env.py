@@ -163,7 +163,7 @@ def require_str(name: str) -> str:
     return value
 
 
-def get_int(name: str, default: int) -> int:
+def get_int(name: str, default: int | None) -> int | None:
     """Return the variable as an int, with a ConfigError naming it when it does not parse."""
     found = lookup(name)
     if found is None:

@@ -1,7 +1,7 @@
 """Small-message allreduce latency: the MPI backend vs the TCP/shared-memory backend.
 
 ``python -m hvd_spark.bench latency [-np 2] [--sizes 1K,4K,64K] [--rounds 3]
-[--frameworks torch,tf,tf_function]`` alternates,
+[--frameworks out_of_place,torch,tf,tf_function]`` alternates,
 round by round, a job under ``hvdrun`` (TCP backend, shared memory between local ranks)
 and one under ``hvdrun --mpi``; inside the MPI job, raw ``MPI_Allreduce`` (mpi4py) is
 timed in the same processes, alternating with ours, as the floor. Each figure is the
@@ -24,8 +24,9 @@ import numpy as np
 from hvd_spark.bench.allreduce import parse_size
 
 _MARK = "LATENCY_JSON "
-# Bindings timed besides numpy: torch, TensorFlow eager, TensorFlow inside tf.function.
-_FRAMEWORKS = ("torch", "tf", "tf_function")
+# Timed besides numpy in place: numpy out of place (``allreduce(x)``: a fresh output per
+# call), torch, TensorFlow eager, TensorFlow inside tf.function.
+_FRAMEWORKS = ("out_of_place", "torch", "tf", "tf_function")
 
 
 def _mean_time(fn, iters: int) -> float:
@@ -38,6 +39,11 @@ def _mean_time(fn, iters: int) -> float:
 
 def _framework_call(framework: str, count: int):
     """A synchronous 1-tensor Sum allreduce through ``framework``'s binding."""
+    if framework == "out_of_place":
+        import hvd_spark.collectives as hvd
+
+        x = np.ones(count, np.float32)
+        return lambda: hvd.allreduce(x, op=hvd.Sum)
     if framework == "torch":
         import torch
 

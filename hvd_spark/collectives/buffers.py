@@ -97,12 +97,17 @@ class OutputPool:
     the block comes back (through a ``weakref.finalize`` on that object) only when no
     array, view or framework tensor made from it is left alive.
 
+    The default ``min_bytes`` is malloc's threshold for memory of its own: in a process
+    whose threads allocate and free such sizes, glibc serves every allocation of
+    128 KB or more from fresh pages of the kernel, each touched anew (an out-of-place
+    allreduce of 256 KB spent more on those faults than on its reduction).
+
     Args:
         min_bytes: Smaller outputs come from ``aligned_empty`` (malloc reuses those).
         max_idle_bytes: Idle blocks kept beyond this are let go, oldest first.
     """
 
-    def __init__(self, min_bytes: int = 1 << 20, max_idle_bytes: int = 512 << 20) -> None:
+    def __init__(self, min_bytes: int = 128 << 10, max_idle_bytes: int = 512 << 20) -> None:
         # ``init()`` sets max_idle_bytes from HVD_SPARK_OUTPUT_POOL_BYTES.
         self.min_bytes = min_bytes
         self.max_idle_bytes = max_idle_bytes

@@ -552,9 +552,10 @@ class Engine(EngineCore):
         self._first_ready = None
         responses = coord.take_responses()
         self._taken(coord, responses)
+        frame = wire.encode_obj(("resp", responses))  # once for every rank
         with self._send_lock:  # callers' threads send pair copies on these sockets too
             for peer, sock in self._control.items():
-                wire.send_obj(sock, ("resp", responses), f"rank {peer}")
+                wire.send_frame(sock, frame, f"rank {peer}")
         for response in responses:
             self._execute(response)
 

@@ -93,7 +93,7 @@ class EngineCore(abc.ABC):
         self.comm = comm
         self.config = config
         #: Allreduces up to this many bytes travel with their negotiation messages.
-        self.eager_bytes = config.eager_bytes
+        self.eager_bytes = config.eager_limit(size)
         self._lock = threading.Lock()  # guards the tables below (short holds only)
         # Held by whichever thread runs the engine's cycle: the background thread or a
         # waiting caller. Everything the cycle touches is used under it.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 
 import numpy as np
 
@@ -30,6 +31,22 @@ def dtype_of(name: str) -> np.dtype:
     if dtype is None:
         dtype = _DTYPES[name] = np.dtype(name)
     return dtype
+
+
+#: Arrays of more than this many bytes travel beside a control frame's pickle, not inside
+#: it (``wire.encode_obj``). Up to it in-band bytes cost less (a few us); past 128 KB an
+#: in-band copy takes fresh pages from the kernel (about 100 us each).
+IN_BAND_MAX_BYTES = 64 * 1024
+
+
+def _wire_bytes(array: np.ndarray | bytes | None, protocol: int):
+    """How a request's or response's tensor is pickled: raw bytes, or (large) a buffer
+    the frame carries beside the pickle."""
+    if not isinstance(array, np.ndarray):
+        return array
+    if protocol >= 5 and array.nbytes > IN_BAND_MAX_BYTES and array.flags.c_contiguous:
+        return pickle.PickleBuffer(array)
+    return array.tobytes()
 
 
 # Requests and responses are values: never changed once built. They are not frozen
@@ -77,10 +94,10 @@ class Request:
     layout: tuple[int, ...] | None = None
     payload: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    def __reduce__(self):
+    def __reduce_ex__(self, protocol: int):
         # A plain tuple and raw bytes pickle several times faster than a dataclass
         # holding an ndarray: this goes over the wire with every request.
-        payload = None if self.payload is None else self.payload.tobytes()
+        payload = _wire_bytes(self.payload, protocol)
         return _request, (self.name, self.kind, self.dtype, self.shape, self.op, self.prescale,
                           self.postscale, self.root, self.splits, self.members, self.error,
                           self.device, self.layout, payload)
@@ -134,9 +151,9 @@ class Response:
                                                         repr=False)
     chunk_bytes: int | None = None
 
-    def __reduce__(self):
+    def __reduce_ex__(self, protocol: int):
         # As Request: the result travels as raw bytes (its dtype is the entries').
-        data = self.data.tobytes() if isinstance(self.data, np.ndarray) else self.data
+        data = _wire_bytes(self.data, protocol)
         return _response, (self.kind, self.names, self.error, self.first_dims, self.splits,
                            self.members, self.joined, self.templates, self.result, data,
                            self.chunk_bytes)

@@ -17,7 +17,7 @@ from hvd_spark.runner import run_local
 from tests.integration import pairing_jobs as jobs
 
 # Short, so that a split decision fails the test in seconds rather than hanging it.
-ENV = {"HVD_SPARK_TIMEOUT": "20"}
+ENV = {"HVD_SPARK_TIMEOUT": "20", "HVD_SPARK_EAGER_BYTES": str(jobs.EAGER_BYTES)}
 # Errors are decided by both ranks (or rank 0) at once: anything near the timeout is a hang.
 PROMPT_S = 5.0
 

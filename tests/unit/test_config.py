@@ -201,3 +201,19 @@ def test_unknown_iface_is_named_with_the_interfaces_there(monkeypatch):
     monkeypatch.setenv("HOROVOD_GLOO_IFACE", "nosuch0")
     with pytest.raises(ConfigError, match=r"HOROVOD_GLOO_IFACE='nosuch0'.*'lo'"):
         WorldInfo.from_env()
+
+
+def test_eager_limit_shrinks_with_the_job_unless_set(monkeypatch):
+    """Rank 0's eager negotiation carries size - 1 tensors each way: the default limit is
+    a budget over them, never below 64 KB; a setting is taken as it is, 0 included."""
+    cfg = EngineConfig.from_env()
+    assert cfg.eager_bytes is None
+    limits = {size: cfg.eager_limit(size) for size in (1, 2, 3, 5, 9, 64)}
+    assert limits == {1: 512 << 10, 2: 512 << 10, 3: 256 << 10, 5: 128 << 10, 9: 64 << 10,
+                      64: 64 << 10}
+    for value in ("0", "1000"):
+        monkeypatch.setenv("HVD_SPARK_EAGER_BYTES", value)
+        assert {EngineConfig.from_env().eager_limit(s) for s in (2, 9)} == {int(value)}
+    monkeypatch.setenv("HVD_SPARK_EAGER_BYTES", "-1")
+    with pytest.raises(ConfigError, match="HVD_SPARK_EAGER_BYTES must be >= 0"):
+        EngineConfig.from_env()

@@ -17,6 +17,10 @@ import struct
 import time
 from typing import Any
 
+import numpy as np
+
+from hvd_spark.collectives.buffers import OUTPUTS
+from hvd_spark.collectives.messages import IN_BAND_MAX_BYTES
 from hvd_spark.errors import (
     AuthenticationError,
     CollectiveTimeoutError,
@@ -33,6 +37,12 @@ HANDSHAKE_TIMEOUT_S = 10.0
 MAX_FRAME_BYTES = 1 << 34
 # Frames up to this size are read with one plain recv first (control messages).
 _ONE_RECV_BYTES = 64 * 1024
+# A frame whose arrays travel behind the pickle starts with this byte (a plain pickle
+# starts with the PROTO opcode, 0x80), then the count of buffers, the pickle's length and
+# each buffer's; each buffer starts at a multiple of _BUFFER_ALIGN within the frame.
+_BUFFERS = b"B"
+_COUNT = struct.Struct("<I")
+_BUFFER_ALIGN = 16
 # select() takes file descriptors below this only (FD_SETSIZE).
 _SELECT_FD_LIMIT = 1024
 
@@ -41,12 +51,21 @@ def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, role + b"".join(parts), _DIGEST).digest()
 
 
-def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer") -> bytes:
-    """Read exactly ``nbytes`` or raise PeerDisconnectedError/CollectiveTimeoutError."""
+def frame_buffer(nbytes: int) -> memoryview:
+    """Writable memory for a large frame, from the output pool: in a busy process
+    malloc gives each allocation of over 128 KB fresh pages from the kernel, whose first
+    touch cost more than the copy into them (a 256 KB frame: about 150 us)."""
+    return memoryview(OUTPUTS.empty((nbytes,), np.uint8))
+
+
+def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer") -> bytes | memoryview:
+    """Read exactly ``nbytes`` (into a ``frame_buffer`` past ``_ONE_RECV_BYTES``) or raise
+    PeerDisconnectedError/CollectiveTimeoutError."""
     if nbytes > _ONE_RECV_BYTES:
-        buf = bytearray(nbytes)
-        recv_into_exact(sock, memoryview(buf), what)
-        return bytes(buf)
+        # Pooled memory, returned as it is (no copy into bytes): see ``frame_buffer``.
+        buf = frame_buffer(nbytes)
+        recv_into_exact(sock, buf, what)
+        return buf
     try:
         # A small message usually comes in one recv: no buffer to fill and copy out.
         first = sock.recv(nbytes)
@@ -215,12 +234,27 @@ def _authenticated(sock: socket.socket, secret: bytes, timeout: float) -> socket
     return sock
 
 
-def send_frame(sock: socket.socket, payload: bytes, what: str = "peer") -> None:
+def send_frame(sock: socket.socket, payload: bytes | memoryview, what: str = "peer") -> None:
     """Send one length-prefixed frame."""
-    send_all(sock, _LEN.pack(len(payload)) + payload, what)
+    prefix = _LEN.pack(len(payload))
+    if len(payload) <= _ONE_RECV_BYTES:
+        send_all(sock, prefix + payload, what)
+        return
+    # Gathered by the kernel: joining would copy the frame into fresh pages first.
+    try:
+        sent = sock.sendmsg([prefix, payload])
+    except TimeoutError:
+        sent = 0  # nothing went: send_all below reports the timeout
+    except OSError as exc:
+        raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+    if sent < len(prefix):
+        send_all(sock, prefix[sent:], what)
+        sent = len(prefix)
+    if sent - len(prefix) < len(payload):
+        send_all(sock, memoryview(payload)[sent - len(prefix):], what)
 
 
-def recv_frame(sock: socket.socket, what: str = "peer") -> bytes:
+def recv_frame(sock: socket.socket, what: str = "peer") -> bytes | memoryview:
     """Receive one length-prefixed frame."""
     (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, what))
     if length > MAX_FRAME_BYTES:
@@ -228,10 +262,70 @@ def recv_frame(sock: socket.socket, what: str = "peer") -> bytes:
     return recv_exact(sock, length, what)
 
 
-def encode_obj(obj: Any) -> bytes:
-    """``obj`` pickled, as ``send_obj`` sends it (for a caller that must take a snapshot
-    before it sends)."""
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+def encode_obj(obj: Any) -> bytes | memoryview:
+    """``obj`` as ``send_obj`` frames it: a snapshot, so a caller may send it later while
+    another thread changes the arrays it holds.
+
+    Arrays of over ``IN_BAND_MAX_BYTES`` (a big eager allreduce's tensor) leave
+    the pickle as raw buffers, copied once into the frame behind it (``_BUFFERS``); the
+    receiver's arrays are views of the frame it read. In the pickle they would be copied
+    three times more on each side.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes <= IN_BAND_MAX_BYTES:
+            return True  # in the pickle: cheaper for small ones, and stays bytes
+        buffers.append(buffer)
+        return False
+
+    body = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
+    if not buffers:
+        return body  # starts with pickle's PROTO opcode, never with _BUFFERS
+    raws = [b.raw() for b in buffers]
+    head = _BUFFERS + _COUNT.pack(len(raws)) + struct.pack(f"<{len(raws) + 1}Q", len(body),
+                                                          *(r.nbytes for r in raws))
+    placed = [(0, head), (len(head), body)]
+    offset = len(head) + len(body)
+    for raw in raws:
+        offset += -offset % _BUFFER_ALIGN  # numpy wants its items aligned
+        placed.append((offset, raw))
+        offset += raw.nbytes
+    frame = frame_buffer(offset)
+    for start, part in placed:
+        frame[start:start + len(part)] = part
+    return frame
+
+
+def decode_obj(frame: bytes | memoryview, what: str = "peer") -> Any:
+    """The object ``encode_obj`` framed (one received frame).
+
+    Raises:
+        PeerDisconnectedError: The frame is not a whole pickle (a peer from another
+            version of hvd_spark, or a broken stream), naming ``what``.
+    """
+    try:
+        if not frame or frame[0] != _BUFFERS[0]:
+            return pickle.loads(frame)
+        view = memoryview(frame)
+        (count,) = _COUNT.unpack_from(view, 1)
+        sizes = struct.unpack_from(f"<{count + 1}Q", view, 1 + _COUNT.size)
+        offset = 1 + _COUNT.size + 8 * (count + 1)
+        body = view[offset:offset + sizes[0]]
+        offset += sizes[0]
+        buffers = []
+        for size in sizes[1:]:
+            offset += -offset % _BUFFER_ALIGN
+            buffers.append(view[offset:offset + size])
+            offset += size
+        if offset != len(view):
+            raise ValueError(f"its buffers end at byte {offset}")
+        return pickle.loads(body, buffers=buffers)
+    except (pickle.UnpicklingError, EOFError, ValueError, struct.error) as exc:
+        raise PeerDisconnectedError(
+            f"{what} sent a frame of {len(frame)} bytes that does not unpickle ({exc}); "
+            "check that every rank runs the same hvd_spark version"
+        ) from None
 
 
 def send_obj(sock: socket.socket, obj: Any, what: str = "peer") -> None:
@@ -240,20 +334,12 @@ def send_obj(sock: socket.socket, obj: Any, what: str = "peer") -> None:
 
 
 def recv_obj(sock: socket.socket, what: str = "peer") -> Any:
-    """Receive one pickled frame from an authenticated socket.
+    """Receive one frame that ``send_obj`` sent over an authenticated socket.
 
     Raises:
-        PeerDisconnectedError: The frame is not a whole pickle (a peer from another
-            version of hvd_spark, or a broken stream), naming ``what``.
+        PeerDisconnectedError: The frame is not a whole pickle (see ``decode_obj``).
     """
-    frame = recv_frame(sock, what)
-    try:
-        return pickle.loads(frame)
-    except (pickle.UnpicklingError, EOFError, ValueError) as exc:
-        raise PeerDisconnectedError(
-            f"{what} sent a frame of {len(frame)} bytes that does not unpickle ({exc}); "
-            "check that every rank runs the same hvd_spark version"
-        ) from None
+    return decode_obj(recv_frame(sock, what), what)
 
 
 def parse_addr(addr: str, what: str = "address") -> tuple[str, int]:

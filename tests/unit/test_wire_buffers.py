@@ -1,0 +1,110 @@
+"""Large tensors travel beside a control message's pickle (``wire.encode_obj``)."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from hvd_spark.collectives import messages as m
+from hvd_spark.collectives.tcp import wire
+from hvd_spark.errors import PeerDisconnectedError
+
+BIG = m.IN_BAND_MAX_BYTES // 8 + 1  # float64 elements just past the in-band limit
+
+
+def _request(payload: np.ndarray, name: str = "t") -> m.Request:
+    return m.Request(name, m.ALLREDUCE, str(payload.dtype), payload.shape, payload=payload)
+
+
+def test_small_tensors_stay_in_the_pickle_and_large_ones_leave_it():
+    small = wire.encode_obj(("req", [_request(np.arange(8.0))]))
+    big = wire.encode_obj(("req", [_request(np.arange(float(BIG)))]))
+    assert bytes(small[:1]) == b"\x80"  # a plain pickle
+    assert bytes(big[:1]) == b"B"
+    # The big tensor is in the frame once, not also inside the pickle.
+    assert BIG * 8 < len(big) < BIG * 8 + 1024
+
+
+def test_a_frame_is_a_snapshot_of_the_arrays_it_carries():
+    payload = np.arange(float(BIG))
+    data = np.full(BIG, 7, np.int32)
+    frame = wire.encode_obj(("x", [_request(payload)], m.Response(m.ALLREDUCE, ("t",),
+                                                                  data=data)))
+    payload[:] = -1  # another thread reduces into the tensor after it was framed
+    data[:] = -1
+    kind, (request,), response = wire.decode_obj(frame)
+    assert kind == "x"
+    np.testing.assert_array_equal(request.payload, np.arange(float(BIG)))
+    assert request.payload.dtype == np.float64
+    assert request == _request(payload)  # the fields ranks agree on survive too
+    np.testing.assert_array_equal(np.frombuffer(response.data, np.int32), 7)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_large_frames_cross_a_socket_whole_and_aligned(count):
+    """Frames larger than the socket's buffer (partial sends), several tensors in one
+    message, each received array aligned for its items."""
+    a, b = socket.socketpair()
+    a.settimeout(10.0)
+    b.settimeout(10.0)
+    tensors = [np.random.default_rng(i).random(BIG * 8 + i) for i in range(count)]
+    sent = ("req", [_request(t, f"t{i}") for i, t in enumerate(tensors)])
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(wire.recv_obj(b, "rank 1")))
+    reader.start()
+    try:
+        wire.send_obj(a, sent, "rank 1")
+        reader.join(10.0)
+        assert not reader.is_alive()
+        kind, requests = got[0]
+        assert kind == "req" and [q.name for q in requests] == [f"t{i}" for i in range(count)]
+        for q, t in zip(requests, tensors):
+            assert q.payload.tobytes() == t.tobytes()
+            assert q.payload.ctypes.data % 8 == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_requests_still_pickle_without_out_of_band_buffers():
+    """Other pickles of a request (protocol 4, or 5 with no buffer callback) keep its
+    tensor in band."""
+    request = _request(np.arange(float(BIG)))
+    for protocol in (4, 5):
+        back = pickle.loads(pickle.dumps(request, protocol=protocol))
+        np.testing.assert_array_equal(back.payload, request.payload)
+
+
+def test_a_broken_buffer_frame_names_the_peer():
+    frame = bytes(wire.encode_obj(("req", [_request(np.arange(float(BIG)))])))
+    for broken in (frame[:-1], frame + b"\0", frame[:9]):
+        with pytest.raises(PeerDisconnectedError, match="rank 2 sent a frame of"):
+            wire.decode_obj(broken, "rank 2")
+
+
+def test_any_array_in_a_message_arrives_writable():
+    """Plain numpy arrays (not a request's tensor) take the same rule, and the receiver
+    may write into what it got, small or large (test harnesses and callers do)."""
+    a, b = socket.socketpair()
+    a.settimeout(10.0)
+    b.settimeout(10.0)
+    try:
+        for n in (3, BIG):
+            sent = {"x": np.arange(n, dtype=np.int64)}
+            frame = wire.encode_obj(sent)
+            assert bytes(frame[:1]) == (b"B" if n == BIG else b"\x80")
+            reader = threading.Thread(target=lambda: got.append(wire.recv_obj(b, "rank 1")))
+            got: list = []
+            reader.start()
+            wire.send_obj(a, sent, "rank 1")
+            reader.join(10.0)
+            x = got[0]["x"]
+            np.testing.assert_array_equal(x, sent["x"])
+            x += 1  # writable
+    finally:
+        a.close()
+        b.close()
