@@ -20,12 +20,15 @@ DEFAULT_START_TIMEOUT_S = 600.0
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
 DEFAULT_CYCLE_TIME_MS = 1.0
 DEFAULT_CHUNK_BYTES = 1024 * 1024
-# Allreduces up to this size travel with their negotiation messages (see EngineConfig):
-# by default EAGER_BUDGET_BYTES / (size - 1), never below DEFAULT_EAGER_BYTES. Rank 0's
-# negotiation carries size - 1 tensors in and results out where a ring moves each rank's
-# tensor about twice, so the eager limit shrinks as the job grows. Measured on 2 ranks
-# (one host), eager beat the ring up to 512 KB (0.74-0.88x its time); on 3, to 256 KB.
+# Allreduces up to this size travel with their negotiation messages (see EngineConfig).
 DEFAULT_EAGER_BYTES = 64 * 1024
+# A synchronous allreduce waits alone (nothing submitted after it can join its ring), so it
+# rides up to EAGER_BUDGET_BYTES / (size - 1), never below DEFAULT_EAGER_BYTES: rank 0's
+# negotiation carries size - 1 tensors in and results out where a ring moves each rank's
+# tensor about twice. Measured on one host: eager beat the ring up to 512 KB on 2 ranks
+# (0.74-0.88x its time), up to 256 KB on 3. Asynchronous and grouped ones keep
+# DEFAULT_EAGER_BYTES: many of them fuse into one ring pass, which beat riding at 512 KB
+# (the ResNet-50 set grouped: 5-15% slower with the larger limit).
 EAGER_BUDGET_BYTES = 512 * 1024
 DEFAULT_OUTPUT_POOL_BYTES = 512 * 1024 * 1024
 # A rank waiting for its operation polls this long before it sleeps in the kernel: a
@@ -121,7 +124,7 @@ class EngineConfig:
             negotiation: every rank sends its tensor with its request, rank 0 reduces
             them in rank order and sends the result with the response, so a small
             allreduce costs one round trip instead of a round trip plus a ring (0: off;
-            None: by the job's size, see ``eager_limit``).
+            None: the defaults, see ``eager_limit``).
         autotune: Tune fusion threshold, cycle time and chunk size on rank 0 from measured
             throughput (None: off).
         spin_us: Microseconds a thread waiting for its operation polls its sockets before
@@ -156,11 +159,14 @@ class EngineConfig:
             cpus = os.cpu_count() or 1
         return DEFAULT_SPIN_US / 1e6 if local_ranks <= cpus else 0.0
 
-    def eager_limit(self, size: int) -> int:
+    def eager_limit(self, size: int, lone: bool = False) -> int:
         """The largest eager allreduce in a job of ``size`` ranks: the setting, else
-        ``EAGER_BUDGET_BYTES / (size - 1)`` and at least ``DEFAULT_EAGER_BYTES``."""
+        ``DEFAULT_EAGER_BYTES``, or for a ``lone`` (synchronous) one
+        ``EAGER_BUDGET_BYTES / (size - 1)`` and at least that."""
         if self.eager_bytes is not None:
             return self.eager_bytes
+        if not lone:
+            return DEFAULT_EAGER_BYTES
         return max(DEFAULT_EAGER_BYTES, EAGER_BUDGET_BYTES // max(1, size - 1))
 
     @property

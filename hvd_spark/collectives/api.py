@@ -393,13 +393,16 @@ def _set_rank(process_set: ProcessSet, global_rank: int, what: str) -> int:
 
 # ---------------------------------------------------------------------- allreduce
 
-def _eager_bytes() -> int:
-    """Largest allreduce that travels with its negotiation (the engine's setting)."""
+def _eager_bytes(lone: bool) -> int:
+    """Largest allreduce that travels with its negotiation (the engine's setting): larger
+    for a ``lone`` one, whose caller waits for it at once (see ``EngineConfig``)."""
     engine = _engine
-    return engine.eager_bytes if engine is not None else 0
+    if engine is None:
+        return 0
+    return engine.lone_eager_bytes if lone else engine.eager_bytes
 
 
-def _allreduce_build(array, op, prescale, postscale, inplace: bool):
+def _allreduce_build(array, op, prescale, postscale, inplace: bool, lone: bool = False):
     def build(key: str, members):
         arr = _as_array(array, f"allreduce {key!r}")
         reduce_op = ReduceOp(op)
@@ -424,7 +427,7 @@ def _allreduce_build(array, op, prescale, postscale, inplace: bool):
                 work = np.array(work, copy=True)  # never scale the caller's data before sending
             scale_in_place(work, prescale)
         payload = None
-        if work.nbytes <= _eager_bytes() and reduce_op != ReduceOp.Adasum:
+        if work.nbytes <= _eager_bytes(lone) and reduce_op != ReduceOp.Adasum:
             # Small: the tensor rides on the request and rank 0 reduces it (no ring).
             payload = (work if source is None else source).reshape(-1)
         request = m.Request(key, m.ALLREDUCE, _dtype_name(work.dtype), work.shape, int(reduce_op),
@@ -477,8 +480,9 @@ def allreduce(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postsc
                             inplace=False)
     if result is not None:
         return result
-    return synchronize(allreduce_async(array, name, op, prescale_factor, postscale_factor,
-                                       process_set))
+    build = _allreduce_build(array, op, prescale_factor, postscale_factor, inplace=False,
+                             lone=True)
+    return synchronize(_start(m.ALLREDUCE, name, process_set, build))
 
 
 def allreduce_(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -488,8 +492,9 @@ def allreduce_(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, posts
                             inplace=True)
     if result is not None:
         return result
-    return synchronize(allreduce_async_(array, name, op, prescale_factor, postscale_factor,
-                                        process_set))
+    build = _allreduce_build(array, op, prescale_factor, postscale_factor, inplace=True,
+                             lone=True)
+    return synchronize(_start(m.ALLREDUCE, name, process_set, build))
 
 
 def _many(kind: str, keys: list[str], builds: list, members,

@@ -72,7 +72,7 @@ class Engine(EngineCore):
         super().__init__(rank, size, comm, config)
         self._control = dict(control)
         self._sock_rank = {s.fileno(): r for r, s in self._control.items()}
-        self._coordinator = (Coordinator(size, config.fusion_threshold, self.eager_bytes)
+        self._coordinator = (Coordinator(size, config.fusion_threshold, self.lone_eager_bytes)
                              if rank == 0 else None)
         self._start_autotune(self._coordinator)
         # Two ranks decide their small allreduces alone (see ``pairing``); under _lock.

@@ -92,8 +92,10 @@ class EngineCore(abc.ABC):
         self.rank, self.size = rank, size
         self.comm = comm
         self.config = config
-        #: Allreduces up to this many bytes travel with their negotiation messages.
+        #: Allreduces up to this many bytes travel with their negotiation messages (a
+        #: synchronous one up to ``lone_eager_bytes``; rank 0 takes either).
         self.eager_bytes = config.eager_limit(size)
+        self.lone_eager_bytes = config.eager_limit(size, lone=True)
         self._lock = threading.Lock()  # guards the tables below (short holds only)
         # Held by whichever thread runs the engine's cycle: the background thread or a
         # waiting caller. Everything the cycle touches is used under it.

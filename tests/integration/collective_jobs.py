@@ -107,8 +107,9 @@ def eager_paths() -> dict:
     # The same name with a new shape each step (as a model whose batch changes).
     out["reshaped"] = [hvd.allreduce(np.ones(k) * (r + 1), name="same", op=hvd.Sum).tolist()
                        for k in (1, 5, 2)]
-    # Either side of the limit: the same values, one eager and one through the ring.
-    limit_rows = engine.eager_bytes // 8
+    # Either side of the limit: the same values, one eager and one through the ring (a
+    # synchronous call's limit: ``lone_eager_bytes``, past 64 KB out of the pickle).
+    limit_rows = engine.lone_eager_bytes // 8
     before = engine.executed_eager
     at = hvd.allreduce(np.arange(limit_rows, dtype=np.float64) + r, op=hvd.Sum)
     above = hvd.allreduce(np.arange(limit_rows + 1, dtype=np.float64) + r, op=hvd.Sum)
@@ -161,7 +162,7 @@ def paired_decisions() -> dict:
     out["steps"] = steps
     out["paired"] = engine.paired - before
     # One rank's tensor rides along, the other's is too large to: both fail alike.
-    limit_rows = engine.eager_bytes // 8
+    limit_rows = engine.lone_eager_bytes // 8
     for small in (0, 1):
         rows = 2 if r == small else limit_rows + 1
         try:

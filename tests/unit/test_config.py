@@ -203,17 +203,21 @@ def test_unknown_iface_is_named_with_the_interfaces_there(monkeypatch):
         WorldInfo.from_env()
 
 
-def test_eager_limit_shrinks_with_the_job_unless_set(monkeypatch):
-    """Rank 0's eager negotiation carries size - 1 tensors each way: the default limit is
-    a budget over them, never below 64 KB; a setting is taken as it is, 0 included."""
+def test_eager_limit_of_lone_allreduces_shrinks_with_the_job_unless_set(monkeypatch):
+    """Rank 0's eager negotiation carries size - 1 tensors each way: a synchronous (lone)
+    allreduce's default limit is a budget over them, never below 64 KB; the others keep
+    64 KB. A setting is taken as it is for both, 0 included."""
     cfg = EngineConfig.from_env()
     assert cfg.eager_bytes is None
-    limits = {size: cfg.eager_limit(size) for size in (1, 2, 3, 5, 9, 64)}
-    assert limits == {1: 512 << 10, 2: 512 << 10, 3: 256 << 10, 5: 128 << 10, 9: 64 << 10,
-                      64: 64 << 10}
+    sizes = (1, 2, 3, 5, 9, 64)
+    assert {s: cfg.eager_limit(s, lone=True) for s in sizes} == {
+        1: 512 << 10, 2: 512 << 10, 3: 256 << 10, 5: 128 << 10, 9: 64 << 10, 64: 64 << 10}
+    assert {cfg.eager_limit(s) for s in sizes} == {64 << 10}
     for value in ("0", "1000"):
         monkeypatch.setenv("HVD_SPARK_EAGER_BYTES", value)
-        assert {EngineConfig.from_env().eager_limit(s) for s in (2, 9)} == {int(value)}
+        cfg = EngineConfig.from_env()
+        assert {cfg.eager_limit(s, lone) for s in (2, 9) for lone in (False, True)} == {
+            int(value)}
     monkeypatch.setenv("HVD_SPARK_EAGER_BYTES", "-1")
     with pytest.raises(ConfigError, match="HVD_SPARK_EAGER_BYTES must be >= 0"):
         EngineConfig.from_env()

@@ -97,8 +97,9 @@ def test_any_array_in_a_message_arrives_writable():
             sent = {"x": np.arange(n, dtype=np.int64)}
             frame = wire.encode_obj(sent)
             assert bytes(frame[:1]) == (b"B" if n == BIG else b"\x80")
-            reader = threading.Thread(target=lambda: got.append(wire.recv_obj(b, "rank 1")))
             got: list = []
+            reader = threading.Thread(
+                target=lambda out=got: out.append(wire.recv_obj(b, "rank 1")))
             reader.start()
             wire.send_obj(a, sent, "rank 1")
             reader.join(10.0)

@@ -73,7 +73,8 @@ class MpiEngine(EngineCore):
         super().__init__(comm.rank, comm.size, routed or comm, config)
         # Only what fits a negotiation slot with its request rides along: a longer
         # message takes a second gather, and MPI's own allreduce is cheaper than that.
-        self.eager_bytes = min(config.eager_limit(comm.size), _EAGER_CAP)
+        self.eager_bytes = self.lone_eager_bytes = min(config.eager_limit(comm.size),
+                                                       _EAGER_CAP)
         self.mpi_comm = comm
         self._negotiation = negotiation
         self._coordinator = (Coordinator(self.size, config.fusion_threshold, self.eager_bytes)
