@@ -563,10 +563,13 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
     in_pack = set(packed)
     alone = [i for i in range(len(arrays)) if i not in in_pack]
     layout = packing.layout_of(arrays, packed)
-    pack_build = _allreduce_build(packing.gather(arrays, packed), op, prescale, postscale,
-                                  inplace=True)
+    gathered = packing.gather(arrays, packed)
+    pack_build = _allreduce_build(gathered, op, prescale, postscale, inplace=True)
 
     def build_pack(key: str, members):
+        if packed:  # a refused reduction names a packed tensor, not the internal key
+            check_reduction(gathered.dtype, ReduceOp(op), prescale, postscale,
+                            keys[packed[0]])
         request, work, _ = pack_build(key, members)
 
         def finish(result: np.ndarray) -> np.ndarray:

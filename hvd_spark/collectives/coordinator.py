@@ -190,12 +190,16 @@ class Coordinator:
         fusion_threshold: Most bytes one fused allreduce may cover.
         eager_bytes: A fused allreduce of at most this many bytes whose tensors came with
             their requests is reduced here, and its result sent with the response.
+        lone_eager_bytes: The same for an allreduce of one tensor (a synchronous call's
+            may ride larger, ``EngineConfig.eager_limit``); default ``eager_bytes``.
     """
 
-    def __init__(self, size: int, fusion_threshold: int, eager_bytes: int = 0) -> None:
+    def __init__(self, size: int, fusion_threshold: int, eager_bytes: int = 0,
+                 lone_eager_bytes: int | None = None) -> None:
         self.size = size
         self.fusion_threshold = fusion_threshold
         self.eager_bytes = eager_bytes
+        self.lone_eager_bytes = eager_bytes if lone_eager_bytes is None else lone_eager_bytes
         # Allreduces whose requests all carry payloads: name -> every rank's request.
         self._eager_inputs: dict[str, dict[int, Request]] = {}
         self._table: dict[str, dict[int, Request]] = {}
@@ -256,8 +260,9 @@ class Coordinator:
             return
         response = validate(name, entry, len(members))
         if response.error is None:
+            # The joined ranks need the shape and dtype, not the tensor riding along.
             response = Response(m.ALLREDUCE, (name,), joined=tuple(standing_in),
-                                templates=(first,))
+                                templates=(dataclasses.replace(first, payload=None),))
         self._finish(name, response)
 
     def _on_join(self, rank: int) -> None:
@@ -353,7 +358,9 @@ class Coordinator:
         out: list[Response] = []
         for response, fused, nbytes in groups:
             names = response.names if fused is None else tuple(fused)
-            if (eager and response.kind == m.ALLREDUCE and nbytes <= self.eager_bytes
+            # Fused tensors ride only up to the usual limit: in the ring they cost less.
+            limit = self.lone_eager_bytes if len(names) == 1 else self.eager_bytes
+            if (eager and response.kind == m.ALLREDUCE and nbytes <= limit
                     and not response.error and all(n in eager for n in names)):
                 data = eager_result([eager[n] for n in names])
                 if data is not None:

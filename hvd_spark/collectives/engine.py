@@ -72,7 +72,8 @@ class Engine(EngineCore):
         super().__init__(rank, size, comm, config)
         self._control = dict(control)
         self._sock_rank = {s.fileno(): r for r, s in self._control.items()}
-        self._coordinator = (Coordinator(size, config.fusion_threshold, self.lone_eager_bytes)
+        self._coordinator = (Coordinator(size, config.fusion_threshold, self.eager_bytes,
+                                         self.lone_eager_bytes)
                              if rank == 0 else None)
         self._start_autotune(self._coordinator)
         # Two ranks decide their small allreduces alone (see ``pairing``); under _lock.
@@ -123,7 +124,7 @@ class Engine(EngineCore):
         Returns:
             Whether a pair is complete now (rank 0's copy came first).
         """
-        frame = wire.encode_obj(("req", [e.request for e in entries]))
+        frame = wire.encode_obj(("req", [e.request for e in entries]), pooled=True)
         ready = False
         with self._send_lock:  # requests leave in the order they were recorded
             if self._pairs is not None:
@@ -157,7 +158,8 @@ class Engine(EngineCore):
                             rest.append(entry)
                     if paired:
                         # A snapshot before another thread may reduce into the tensors.
-                        frame = wire.encode_obj(("pair", [e.request for e in paired]))
+                        frame = wire.encode_obj(("pair", [e.request for e in paired]),
+                                                pooled=True)
                         ready = self._record_own([e.request for e in paired])
                 if paired:
                     self._send(1, frame, entries)
@@ -177,7 +179,7 @@ class Engine(EngineCore):
             ready = ready or request.name in pairs.peer
         return ready
 
-    def _send(self, peer: int, frame: bytes, entries: list[Entry]) -> None:
+    def _send(self, peer: int, frame: bytes | memoryview, entries: list[Entry]) -> None:
         """Send ``frame`` to ``peer`` (the caller holds the send lock); if that fails, the
         engine has failed and ``entries`` are withdrawn (their caller gets the error)."""
         try:
@@ -482,7 +484,7 @@ class Engine(EngineCore):
     def _on_control(self, peer: int, sock: socket.socket) -> None:
         what = f"rank {peer}"
         try:
-            kind, payload = wire.recv_obj(sock, what)
+            kind, payload = wire.recv_obj(sock, what, pooled=True)
         except PeerDisconnectedError:
             raise PeerDisconnectedError(
                 f"rank {peer} disconnected (it exited or was killed) while rank {self.rank} "
@@ -552,7 +554,7 @@ class Engine(EngineCore):
         self._first_ready = None
         responses = coord.take_responses()
         self._taken(coord, responses)
-        frame = wire.encode_obj(("resp", responses))  # once for every rank
+        frame = wire.encode_obj(("resp", responses), pooled=True)  # once for every rank
         with self._send_lock:  # callers' threads send pair copies on these sockets too
             for peer, sock in self._control.items():
                 wire.send_frame(sock, frame, f"rank {peer}")

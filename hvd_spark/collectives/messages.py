@@ -45,7 +45,8 @@ def _wire_bytes(array: np.ndarray | bytes | None, protocol: int):
     if not isinstance(array, np.ndarray):
         return array
     if protocol >= 5 and array.nbytes > IN_BAND_MAX_BYTES and array.flags.c_contiguous:
-        return pickle.PickleBuffer(array)
+        # As bytes: numpy exports no buffer of ml_dtypes' types (bfloat16, float8).
+        return pickle.PickleBuffer(array.reshape(-1).view(np.uint8))
     return array.tobytes()
 
 
@@ -131,8 +132,9 @@ class Response:
         templates: With ``joined``, the requests the joined ranks build their zeros from.
         result: Join: the last rank to join.
         data: An allreduce reduced during negotiation: the flat result every member
-            copies into its output (see ``Request.payload``); raw bytes once it has
-            crossed the wire (the members know its dtype).
+            copies into its output (see ``Request.payload``); raw bytes (or a view of
+            the frame it came in) once it has crossed the wire (the members know its
+            dtype).
         chunk_bytes: Every rank switches its ring chunk size to this before running the
             response, members or not (the autotuner's choice; None: unchanged). Chunks
             must be cut the same on every rank, so this is how all switch together.

@@ -117,3 +117,26 @@ def inplace_done_before_wait() -> dict:
     hvd.shutdown()
     return {"seen": seen, "same": same}
 
+
+
+def refused_packed_reduction() -> dict:
+    """A reduction refused for the packed dtype (bool Average) fails on every rank at
+    once, naming the group's first packed tensor (not the internal packed key); the ranks
+    go on. (The names stay in flight until every rank's report of the failure met: a
+    local failure does not wait for that, so the next call takes another name.)"""
+    hvd.init()
+    r = hvd.rank()
+    group = [np.ones(50000, np.float32), np.array([r == 0, True]), np.array([False])]
+    start = time.monotonic()
+    try:
+        hvd.grouped_allreduce(group, name="flags")
+        error = None
+    except CollectiveError as exc:
+        error = str(exc)
+    seconds = time.monotonic() - start
+    after = hvd.grouped_allreduce(group, name="flags.next", op=hvd.Max)
+    # Nothing small to pack: an empty packed request, checked for nothing.
+    large = hvd.grouped_allreduce([np.ones(50000, np.float32)] * 2, name="large", op=hvd.Sum)
+    hvd.shutdown()
+    return {"error": error, "seconds": seconds, "after": [a.tolist() for a in after[1:]],
+            "large": [float(a.sum()) for a in large]}

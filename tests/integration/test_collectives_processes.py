@@ -172,11 +172,15 @@ def test_half_precision_allreduce_rounds_once_and_ranks_agree_bitwise(num_proc, 
                 avg = (got[name, "Sum"].astype(np.float32) * np.float32(1 / n)).astype(dtype)
                 _same_values(got[name, "Average"], avg, bits=True)
                 # Eager: the coordinator sums the rows in rank order, rounding each step.
-                small = xs[0][:40].astype(dtype)
-                for x in xs[1:]:
-                    small = (small.astype(np.float32) + x[:40]).astype(dtype)
-                small = (small.astype(np.float32) * np.float32(1 / n)).astype(dtype)
-                _same_values(got[name, "small"], small, bits=True)
+                for key, rows in (("small", 40), ("mid", 60000)):
+                    want = xs[0][:rows].astype(dtype)
+                    for x in xs[1:]:
+                        want = (want.astype(np.float32) + x[:rows]).astype(dtype)
+                    want = (want.astype(np.float32) * np.float32(1 / n)).astype(dtype)
+                    _same_values(got[name, key], want, bits=True)
+                np.testing.assert_allclose(got[name, "fused"].astype(np.float32),
+                                           np.sum([x[:120000] for x in xs], axis=0),
+                                           rtol=2e-2, atol=0.25, equal_nan=True)
                 _same_values(got[name, "Min"], np.minimum.reduce(xs).astype(dtype), bits=False)
                 _same_values(got[name, "Max"], np.maximum.reduce(xs).astype(dtype), bits=False)
                 if n == 2:

@@ -68,3 +68,13 @@ def test_inplace_group_is_written_back_when_its_handles_are_done():
         want = [np.full(4, 3.0), np.full((2, 3), 30.0), np.full(50000, 3.0)]
         for got, w in zip(res["seen"], want):
             np.testing.assert_array_equal(got, w)
+
+
+def test_a_refused_reduction_of_the_packed_tensors_names_a_tensor_of_the_group():
+    for res in run_local(jobs.refused_packed_reduction, num_proc=2, env=ENV):
+        error = res["error"]
+        assert error is not None and "Average is undefined" in error, error
+        assert "'flags.1'" in error and ".packed" not in error, error
+        assert res["seconds"] < 10, res["seconds"]
+        assert res["after"] == [[True, True], [False]]
+        assert res["large"] == [100000.0, 100000.0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.ops import ReduceOp
@@ -197,3 +199,20 @@ def test_fusion_keeps_submission_order_and_starts_a_new_group_past_the_threshold
     responses = c.take_responses()
     assert [r.names for r in responses] == [("a", "b"), ("c", "d"), ("i",)]
     assert c.taken_bytes == 5 * 16
+
+
+def test_only_a_lone_allreduce_rides_past_the_usual_eager_limit():
+    """Fused eager tensors stay within ``eager_bytes`` (in the ring they cost less); one
+    tensor alone (a synchronous call's) may ride up to ``lone_eager_bytes``."""
+    c = Coordinator(2, 1 << 30, eager_bytes=1024, lone_eager_bytes=8192)
+    rows = 200  # 800 bytes of float32 each: two fuse past 1024
+    for r in range(2):
+        for name in ("a", "b"):
+            c.add(r, m.Request(name, "allreduce", "float32", (rows,),
+                             payload=np.full(rows, r + 1, np.float32)), 0.0)
+        c.add(r, m.Request("lone", "allreduce", "float64", (1000,),
+                         payload=np.full(1000, r + 1.0)), 0.0)
+    by_names = {resp.names: resp for resp in c.take_responses()}
+    assert by_names[("a", "b")].data is None  # fused: the ring, not rank 0
+    np.testing.assert_array_equal(by_names[("lone",)].data, np.full(1000, 3.0))
+    assert Coordinator(2, 1 << 20, eager_bytes=64).lone_eager_bytes == 64

@@ -58,14 +58,18 @@ def frame_buffer(nbytes: int) -> memoryview:
     return memoryview(OUTPUTS.empty((nbytes,), np.uint8))
 
 
-def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer") -> bytes | memoryview:
-    """Read exactly ``nbytes`` (into a ``frame_buffer`` past ``_ONE_RECV_BYTES``) or raise
-    PeerDisconnectedError/CollectiveTimeoutError."""
+def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer",
+               pooled: bool = False) -> bytes | bytearray | memoryview:
+    """Read exactly ``nbytes`` or raise PeerDisconnectedError/CollectiveTimeoutError.
+
+    Past ``_ONE_RECV_BYTES`` the data is returned in the buffer it was read into, not
+    copied into bytes: a bytearray, or with ``pooled`` a ``frame_buffer`` (the engine's
+    frames, which come again and again; elsewhere a pooled block would stay idle).
+    """
     if nbytes > _ONE_RECV_BYTES:
-        # Pooled memory, returned as it is (no copy into bytes): see ``frame_buffer``.
-        buf = frame_buffer(nbytes)
+        buf = frame_buffer(nbytes) if pooled else memoryview(bytearray(nbytes))
         recv_into_exact(sock, buf, what)
-        return buf
+        return buf if pooled else buf.obj
     try:
         # A small message usually comes in one recv: no buffer to fill and copy out.
         first = sock.recv(nbytes)
@@ -127,11 +131,14 @@ def send_all(sock: socket.socket, data: bytes | memoryview, what: str = "peer") 
     try:
         sock.sendall(data)
     except TimeoutError:
-        raise CollectiveTimeoutError(
-            f"could not send to {what} within {sock.gettimeout()} s; it may be stalled"
-        ) from None
+        raise _send_timeout(sock, what) from None
     except OSError as exc:
         raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+
+
+def _send_timeout(sock: socket.socket, what: str) -> CollectiveTimeoutError:
+    return CollectiveTimeoutError(
+        f"could not send to {what} within {sock.gettimeout()} s; it may be stalled")
 
 
 def authenticate_client(sock: socket.socket, secret: bytes) -> None:
@@ -234,7 +241,8 @@ def _authenticated(sock: socket.socket, secret: bytes, timeout: float) -> socket
     return sock
 
 
-def send_frame(sock: socket.socket, payload: bytes | memoryview, what: str = "peer") -> None:
+def send_frame(sock: socket.socket, payload: bytes | bytearray | memoryview,
+               what: str = "peer") -> None:
     """Send one length-prefixed frame."""
     prefix = _LEN.pack(len(payload))
     if len(payload) <= _ONE_RECV_BYTES:
@@ -244,7 +252,7 @@ def send_frame(sock: socket.socket, payload: bytes | memoryview, what: str = "pe
     try:
         sent = sock.sendmsg([prefix, payload])
     except TimeoutError:
-        sent = 0  # nothing went: send_all below reports the timeout
+        raise _send_timeout(sock, what) from None
     except OSError as exc:
         raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
     if sent < len(prefix):
@@ -254,22 +262,24 @@ def send_frame(sock: socket.socket, payload: bytes | memoryview, what: str = "pe
         send_all(sock, memoryview(payload)[sent - len(prefix):], what)
 
 
-def recv_frame(sock: socket.socket, what: str = "peer") -> bytes | memoryview:
-    """Receive one length-prefixed frame."""
+def recv_frame(sock: socket.socket, what: str = "peer",
+               pooled: bool = False) -> bytes | bytearray | memoryview:
+    """Receive one length-prefixed frame (``pooled``: see ``recv_exact``)."""
     (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, what))
     if length > MAX_FRAME_BYTES:
         raise PeerDisconnectedError(f"{what} sent a frame of {length} bytes; protocol error")
-    return recv_exact(sock, length, what)
+    return recv_exact(sock, length, what, pooled)
 
 
-def encode_obj(obj: Any) -> bytes | memoryview:
+def encode_obj(obj: Any, pooled: bool = False) -> bytes | bytearray | memoryview:
     """``obj`` as ``send_obj`` frames it: a snapshot, so a caller may send it later while
     another thread changes the arrays it holds.
 
     Arrays of over ``IN_BAND_MAX_BYTES`` (a big eager allreduce's tensor) leave
     the pickle as raw buffers, copied once into the frame behind it (``_BUFFERS``); the
     receiver's arrays are views of the frame it read. In the pickle they would be copied
-    three times more on each side.
+    three times more on each side. With ``pooled`` such a frame is a ``frame_buffer``
+    (the engine's, sent again and again), else a bytearray.
     """
     buffers: list[pickle.PickleBuffer] = []
 
@@ -291,13 +301,13 @@ def encode_obj(obj: Any) -> bytes | memoryview:
         offset += -offset % _BUFFER_ALIGN  # numpy wants its items aligned
         placed.append((offset, raw))
         offset += raw.nbytes
-    frame = frame_buffer(offset)
+    frame = frame_buffer(offset) if pooled else memoryview(bytearray(offset))
     for start, part in placed:
         frame[start:start + len(part)] = part
     return frame
 
 
-def decode_obj(frame: bytes | memoryview, what: str = "peer") -> Any:
+def decode_obj(frame: bytes | bytearray | memoryview, what: str = "peer") -> Any:
     """The object ``encode_obj`` framed (one received frame).
 
     Raises:
@@ -333,13 +343,14 @@ def send_obj(sock: socket.socket, obj: Any, what: str = "peer") -> None:
     send_frame(sock, encode_obj(obj), what)
 
 
-def recv_obj(sock: socket.socket, what: str = "peer") -> Any:
-    """Receive one frame that ``send_obj`` sent over an authenticated socket.
+def recv_obj(sock: socket.socket, what: str = "peer", pooled: bool = False) -> Any:
+    """Receive one frame that ``send_obj`` sent over an authenticated socket (``pooled``:
+    see ``recv_exact``).
 
     Raises:
         PeerDisconnectedError: The frame is not a whole pickle (see ``decode_obj``).
     """
-    return decode_obj(recv_frame(sock, what), what)
+    return decode_obj(recv_frame(sock, what, pooled), what)
 
 
 def parse_addr(addr: str, what: str = "address") -> tuple[str, int]:
