@@ -25,11 +25,12 @@ DEFAULT_EAGER_BYTES = 64 * 1024
 # A synchronous allreduce waits alone (nothing submitted after it can join its ring), so it
 # rides up to EAGER_BUDGET_BYTES / (size - 1), never below DEFAULT_EAGER_BYTES: rank 0's
 # negotiation carries size - 1 tensors in and results out where a ring moves each rank's
-# tensor about twice. Measured on one host: eager beat the ring up to 512 KB on 2 ranks
-# (0.74-0.88x its time), up to 256 KB on 3. Asynchronous and grouped ones keep
+# tensor about twice. Measured on one host, 2 ranks: 0.81-0.83x the ring's time at
+# 128-256 KB, 0.94x (in place) to 1.12x (out of place) at 512 KB, so the crossover is near
+# 512 KB there and the budget stops short of it. Asynchronous and grouped ones keep
 # DEFAULT_EAGER_BYTES: many of them fuse into one ring pass, which beat riding at 512 KB
 # (the ResNet-50 set grouped: 5-15% slower with the larger limit).
-EAGER_BUDGET_BYTES = 512 * 1024
+EAGER_BUDGET_BYTES = 256 * 1024
 DEFAULT_OUTPUT_POOL_BYTES = 512 * 1024 * 1024
 # A rank waiting for its operation polls this long before it sleeps in the kernel: a
 # wake-up from a sleep costs 50-140 us on a VM, a poll a microsecond or two.

@@ -211,7 +211,7 @@ def test_eager_limit_of_lone_allreduces_shrinks_with_the_job_unless_set(monkeypa
     assert cfg.eager_bytes is None
     sizes = (1, 2, 3, 5, 9, 64)
     assert {s: cfg.eager_limit(s, lone=True) for s in sizes} == {
-        1: 512 << 10, 2: 512 << 10, 3: 256 << 10, 5: 128 << 10, 9: 64 << 10, 64: 64 << 10}
+        1: 256 << 10, 2: 256 << 10, 3: 128 << 10, 5: 64 << 10, 9: 64 << 10, 64: 64 << 10}
     assert {cfg.eager_limit(s) for s in sizes} == {64 << 10}
     for value in ("0", "1000"):
         monkeypatch.setenv("HVD_SPARK_EAGER_BYTES", value)
