@@ -185,9 +185,11 @@ def test_half_precision_allreduce_rounds_once_and_ranks_agree_bitwise(num_proc, 
                 _same_values(got[name, "Max"], np.maximum.reduce(xs).astype(dtype), bits=False)
                 if n == 2:
                     _same_values(got[name, "Product"], (xs[0] * xs[1]).astype(dtype), bits=True)
-        # torch's kernels and numpy's: the same bits (Min/Max: +0 and -0 may swap).
+        # torch's kernels and numpy's: the same bits (Min/Max: +0 and -0 may swap). Not
+        # "fused": whether the four calls fuse (ring order) or each rides alone (rank
+        # order) depends on timing, which may differ between the two jobs.
         for key, want in runs["numpy"][0].items():
-            if key != "kernels":
+            if key != "kernels" and key[1] != "fused":
                 _same_values(runs["torch"][0][key], want,
                              bits=key[1] not in ("Min", "Max"))
 
