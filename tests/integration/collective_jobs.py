@@ -424,3 +424,39 @@ def autotune_mid_run(max_steps: int = 400) -> dict:
             "worst_error": worst, "steps": step, "done": done, "messages": messages,
             "engine": type(engine).__name__,
             "choice": None if choice is None else choice.describe()}
+
+
+def held_requests() -> dict:
+    """Submissions wait to be sent until the next cycle (``Engine._submitted``): a burst
+    leaves in a frame or two, and a pair decided before its half left still sends that
+    half's input, not the result written into it."""
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    r = hvd.rank()
+    engine = api._engine
+    out: dict = {}
+    # Rank 0's copies reach rank 1 before rank 1 submits: rank 1 could decide each pair
+    # the moment it records its own half, while that half is still held.
+    if r == 1:
+        time.sleep(0.3)
+    arrays = [np.arange(4.0) + 10 * i + 100 * r for i in range(20)]
+    handles = [hvd.allreduce_async_(a, name=f"held.{i}", op=hvd.Sum)
+               for i, a in enumerate(arrays)]
+    for h in handles:
+        hvd.synchronize(h)
+    out["in_place"] = [a.tolist() for a in arrays]
+    hvd.barrier()
+    # A burst of 100, half small (paired) and half too large to ride along (rank 0's
+    # coordinator): one request frame per submission before, a few now.
+    sent = engine.frames_sent
+    burst = [np.full(16 if i % 2 else 30_000, float(i + r)) for i in range(100)]
+    handles = [hvd.allreduce_async_(a, name=f"burst.{i}", op=hvd.Sum)
+               for i, a in enumerate(burst)]
+    for h in handles:
+        hvd.synchronize(h)
+    out["burst_frames"] = engine.frames_sent - sent
+    out["burst"] = [float(a[0]) for a in burst] == [2.0 * i + 1 for i in range(100)]
+    out["burst_same"] = all((a == a[0]).all() for a in burst)
+    hvd.shutdown()
+    return out

@@ -73,6 +73,16 @@ def test_two_ranks_decide_small_allreduces_alone_and_fall_back_to_rank_0():
     assert results[0]["joined"] == [[5.0, 5.0]] * 3
 
 
+def test_held_requests_leave_together_and_carry_their_inputs():
+    results = run_local(jobs.held_requests, num_proc=2)
+    want = [(2 * (np.arange(4.0) + 10 * i) + 100).tolist() for i in range(20)]
+    for r, out in enumerate(results):
+        assert out["in_place"] == want, f"rank {r}"
+        assert out["burst"] and out["burst_same"], f"rank {r}"
+        # 100 submissions (and, on rank 0, the responses): a frame each before.
+        assert out["burst_frames"] < 25, f"rank {r} sent {out['burst_frames']} frames"
+
+
 @pytest.mark.parametrize("num_proc,env", [
     (2, {}),
     (3, {"HVD_SPARK_DISABLE_SHM": "1"}),

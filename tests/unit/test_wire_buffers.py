@@ -109,3 +109,37 @@ def test_any_array_in_a_message_arrives_writable():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("count,big", [(3, False), (1200, False), (40, True)])
+def test_frames_sent_together_arrive_one_by_one(count, big):
+    """``send_frames`` joins small frames into one send and gathers large ones (more
+    pieces than one sendmsg takes, more bytes than the socket buffer holds: partial
+    sends); the receiver reads each frame as if it had been sent alone."""
+    a, b = socket.socketpair()
+    a.settimeout(10.0)
+    b.settimeout(10.0)
+    payloads = [np.full(BIG * 2 if big else 3, i, np.float64) for i in range(count)]
+    frames = [wire.encode_obj(("req", [_request(p, f"t{i}")])) for i, p in enumerate(payloads)]
+    got: list = []
+    reader = threading.Thread(
+        target=lambda: got.extend(wire.recv_obj(b, "rank 1") for _ in range(count)))
+    reader.start()
+    try:
+        wire.send_frames(a, frames, "rank 1")
+        reader.join(20.0)
+        assert not reader.is_alive() and len(got) == count
+        for i, (kind, requests) in enumerate(got):
+            assert kind == "req" and requests[0].name == f"t{i}"
+            assert requests[0].payload.tobytes() == payloads[i].tobytes()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_frames_to_a_closed_peer_name_it():
+    a, b = socket.socketpair()
+    b.close()
+    with pytest.raises(PeerDisconnectedError, match="rank 3"):
+        wire.send_frames(a, [b"x" * (1 << 20)] * 3, "rank 3")
+    a.close()
