@@ -440,20 +440,27 @@ def _allreduce_build(array, op, prescale, postscale, inplace: bool, lone: bool =
     return build
 
 
+def _allreduce_start(array, name, op, prescale: float, postscale: float,
+                     process_set: ProcessSet, inplace: bool, lone: bool = False) -> Handle:
+    """Start an allreduce (``lone``: the caller waits for it at once, see ``_eager_bytes``)."""
+    build = _allreduce_build(array, op, prescale, postscale, inplace, lone)
+    return _start(m.ALLREDUCE, name, process_set, build)
+
+
 def allreduce_async(array: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.Average,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce of ``array``; the handle's result is a new array."""
-    build = _allreduce_build(array, op, prescale_factor, postscale_factor, inplace=False)
-    return _start(m.ALLREDUCE, name, process_set, build)
+    return _allreduce_start(array, name, op, prescale_factor, postscale_factor, process_set,
+                            inplace=False)
 
 
 def allreduce_async_(array: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.Average,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce: ``array`` itself receives the result."""
-    build = _allreduce_build(array, op, prescale_factor, postscale_factor, inplace=True)
-    return _start(m.ALLREDUCE, name, process_set, build)
+    return _allreduce_start(array, name, op, prescale_factor, postscale_factor, process_set,
+                            inplace=True)
 
 
 def _express(array, name, op, prescale: float, postscale: float, process_set: ProcessSet,
@@ -480,9 +487,8 @@ def allreduce(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postsc
                             inplace=False)
     if result is not None:
         return result
-    build = _allreduce_build(array, op, prescale_factor, postscale_factor, inplace=False,
-                             lone=True)
-    return synchronize(_start(m.ALLREDUCE, name, process_set, build))
+    return synchronize(_allreduce_start(array, name, op, prescale_factor, postscale_factor,
+                                        process_set, inplace=False, lone=True))
 
 
 def allreduce_(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -492,9 +498,8 @@ def allreduce_(array, name=None, op=ReduceOp.Average, prescale_factor=1.0, posts
                             inplace=True)
     if result is not None:
         return result
-    build = _allreduce_build(array, op, prescale_factor, postscale_factor, inplace=True,
-                             lone=True)
-    return synchronize(_start(m.ALLREDUCE, name, process_set, build))
+    return synchronize(_allreduce_start(array, name, op, prescale_factor, postscale_factor,
+                                        process_set, inplace=True, lone=True))
 
 
 def _many(kind: str, keys: list[str], builds: list, members,

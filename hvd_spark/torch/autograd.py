@@ -31,13 +31,13 @@ class AllreduceFn(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
                 prescale: float, postscale: float, process_set: Any) -> torch.Tensor:
         ctx.args = (name, op, prescale, postscale, process_set)
-        return T.allreduce_async(tensor, name, op, prescale, postscale, process_set).wait()
+        return T.allreduce(tensor, name, op, prescale, postscale, process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         name, op, prescale, postscale, ps = ctx.args
-        out = T.allreduce_async(grad.contiguous(), _grad_name(name), op, prescale, postscale, ps)
-        return out.wait(), None, None, None, None, None
+        out = T.allreduce(grad.contiguous(), _grad_name(name), op, prescale, postscale, ps)
+        return out, None, None, None, None, None
 
 
 class GroupedAllreduceFn(torch.autograd.Function):

@@ -82,8 +82,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         out = G.AllreduceFn.apply(wire, name, op, prescale_factor, postscale_factor,
                                   process_set)
     else:
-        out = T.allreduce_async(wire, name, op, prescale_factor, postscale_factor,
-                                process_set).wait()
+        out = T.allreduce(wire, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, ctx)
 
 
@@ -101,7 +100,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                postscale_factor: float = 1.0,
         process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across ranks in place (no copy for contiguous CPU tensors)."""
-    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor).wait()
+    return T.allreduce_(tensor, name, resolve_op(average, op), prescale_factor,
+                        postscale_factor, process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,

@@ -182,6 +182,41 @@ def allreduce_async_(
     return TorchHandle([handle], _single(finish))
 
 
+def allreduce(
+    tensor: torch.Tensor, name: str | None, op: ReduceOp,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: C.ProcessSet = _GLOBAL,
+) -> torch.Tensor:
+    """Allreduce and wait: a new tensor on ``tensor``'s device.
+
+    A CPU tensor takes the numpy API's synchronous call, not an async handle waited at
+    once: that call may carry a larger tensor with its negotiation (its caller is known
+    to wait alone) and take the MPI backend's express path.
+    """
+    if tensor.is_cuda:
+        return allreduce_async(tensor, name, op, prescale_factor, postscale_factor,
+                               process_set).wait()
+    _checked(tensor, "allreduce", "allreduce", name, process_set)
+    result = C.allreduce(as_numpy(tensor), name, op, prescale_factor, postscale_factor,
+                         process_set)
+    return from_numpy(result, tensor.device)
+
+
+def allreduce_(
+    tensor: torch.Tensor, name: str | None, op: ReduceOp,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: C.ProcessSet = _GLOBAL,
+) -> torch.Tensor:
+    """In-place allreduce and wait (see ``allreduce``); returns ``tensor``."""
+    if tensor.is_cuda:
+        return allreduce_async_(tensor, name, op, prescale_factor, postscale_factor,
+                                process_set).wait()
+    _checked(tensor, "allreduce_", "allreduce", name, process_set)
+    cpu, finish = _in_place_target(tensor)
+    C.allreduce_(as_numpy(cpu), name, op, prescale_factor, postscale_factor, process_set)
+    return finish(None)
+
+
 def allreduce_many_async_(
     tensors: Sequence[torch.Tensor], names: Sequence[str], op: ReduceOp,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,

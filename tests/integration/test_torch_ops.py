@@ -71,6 +71,36 @@ def _autograd() -> None:
     assert torch.equal(z.grad, torch.full((3,), 1.0 if r == 0 else 0.0)), z.grad
 
 
+def _synchronous_paths() -> None:
+    """Synchronous calls take the numpy API's synchronous path: a 128 KB tensor rides
+    with its negotiation (two ranks decide it alone), an async one of that size goes
+    through the ring; in place keeps the memory; a process set is honoured."""
+    import hvd_spark.torch as hvd
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    r = hvd.rank()
+    engine = api._engine
+    big = torch.full((32 * 1024,), float(r + 1))  # 128 KB: over the asynchronous limit
+    before = engine.paired
+    assert torch.equal(hvd.allreduce(big, op=hvd.Sum), torch.full_like(big, 3.0))
+    ptr = big.data_ptr()
+    assert hvd.allreduce_(big, op=hvd.Sum) is big and big.data_ptr() == ptr
+    assert torch.equal(big, torch.full_like(big, 3.0))
+    g = torch.full((32 * 1024,), float(r + 1), requires_grad=True)
+    hvd.allreduce(g, op=hvd.Sum, name="sync.grad").sum().backward()
+    assert torch.equal(g.grad, torch.full_like(g, 2.0))
+    assert engine.paired - before == 4, engine.paired - before  # two, autograd's two
+    before = engine.paired
+    h = hvd.allreduce_async(torch.full((32 * 1024,), float(r)), op=hvd.Sum)
+    assert torch.equal(hvd.synchronize(h), torch.ones(32 * 1024))
+    assert engine.paired == before  # the ring
+    alone = [hvd.add_process_set([0]), hvd.add_process_set([1])][r]
+    x = torch.full((3,), float(r + 5))
+    assert torch.equal(hvd.allreduce_(x, op=hvd.Sum, process_set=alone), torch.full((3,), r + 5.0))
+    hvd.barrier()  # rank 0 coordinates rank 1's set too: it must not leave first
+
+
 def _broadcast_state() -> None:
     import hvd_spark.torch as hvd
 
@@ -183,6 +213,10 @@ def test_collectives(two_ranks):
 
 def test_autograd(two_ranks):
     two_ranks(_autograd)
+
+
+def test_synchronous_calls_ride_larger_and_honour_process_sets(two_ranks):
+    two_ranks(_synchronous_paths)
 
 
 def test_broadcast_parameters_and_optimizer_state(two_ranks):
