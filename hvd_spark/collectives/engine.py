@@ -17,7 +17,6 @@ race for a control socket's messages.
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
 import time
@@ -284,7 +283,7 @@ class Engine(EngineCore):
         self._parked = True
         try:
             while not self._failure and not self._stopping and self._callers_drive():
-                select.select([self._wake_r], [], [], PARK_S)
+                wire.wait_readable([self._wake_r], PARK_S)
                 self._drain_wake()
         finally:
             self._parked = False
@@ -295,8 +294,7 @@ class Engine(EngineCore):
         try:
             if self._drivers:
                 return  # it came meanwhile (it saw _watching unset, or will wake us)
-            readable, _, _ = select.select([self._wake_r, *self._control.values()], [], [],
-                                           timeout)
+            readable = wire.wait_readable([self._wake_r, *self._control.values()], timeout)
             if (readable == [self._wake_r] and (self._queue or any(self._outbox.values()))
                     and not self._drivers):
                 time.sleep(_GRACE_S)  # then park if the submitter came to drive
@@ -336,7 +334,7 @@ class Engine(EngineCore):
         watched = [self._wake_r, *self._control.values()]
         readable = wire.poll_readable(watched, min(spin, timeout))
         if not readable:
-            readable, _, _ = select.select(watched, [], [], timeout)
+            readable = wire.wait_readable(watched, timeout)
         new = self._drain_local(self._wake_r in readable)
         self._flush()  # what was submitted until the wake was read (see _drain_wake)
         tl = timeline.current() if self._coordinator is not None else None
@@ -365,7 +363,7 @@ class Engine(EngineCore):
         peer = self._sock_rank[sock.fileno()]
         for _ in range(_FRAMES_PER_CYCLE):
             self._on_control(peer, sock)
-            if self._failure is not None or not select.select([sock], [], [], 0.0)[0]:
+            if self._failure is not None or not wire.wait_readable([sock], 0.0):
                 return
 
     def _add_own(self, new: list[Entry]) -> None:
@@ -666,7 +664,7 @@ class Engine(EngineCore):
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            readable, _, _ = select.select(list(self._control.values()), [], [], left)
+            readable = wire.wait_readable(list(self._control.values()), left)
             for sock in readable:
                 peer = self._sock_rank[sock.fileno()]
                 kind, _ = wire.recv_obj(sock, f"rank {peer}")

@@ -460,3 +460,29 @@ def held_requests() -> dict:
     out["burst_same"] = all((a == a[0]).all() for a in burst)
     hvd.shutdown()
     return out
+
+
+def many_open_files() -> dict:
+    """Every socket of the job gets a descriptor past select()'s limit (1024): the rank
+    holds 1100 files before ``init()``, as a data loader or a Spark executor may."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 4096:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    hvd.init()
+    r = hvd.rank()
+    out = {"lowest_free_fd": os.dup(0)}
+    os.close(out["lowest_free_fd"])
+    out["small"] = hvd.allreduce(np.ones(3) * (r + 1), op=hvd.Sum).tolist()
+    out["large"] = float(hvd.allreduce(np.ones(1 << 20) * (r + 1), op=hvd.Sum)[-1])
+    handles = [hvd.allreduce_async(np.full(8, float(i + r)), name=f"fd.{i}", op=hvd.Sum)
+               for i in range(30)]
+    out["burst"] = [float(hvd.synchronize(h)[0]) for h in handles]
+    out["gathered"] = hvd.allgather(np.array([r])).tolist()
+    hvd.barrier()
+    hvd.shutdown()
+    for fd in held:
+        os.close(fd)
+    return out

@@ -83,6 +83,19 @@ def test_held_requests_leave_together_and_carry_their_inputs():
         assert out["burst_frames"] < 25, f"rank {r} sent {out['burst_frames']} frames"
 
 
+@pytest.mark.parametrize("num_proc,env", [(2, {}), (3, {"HVD_SPARK_DISABLE_SHM": "1"})])
+def test_ranks_holding_over_1024_files_still_connect_and_reduce(num_proc, env):
+    """select() took no descriptor from 1024 on: such a rank failed at init (its peers
+    saw a timeout from a rank that looked alive)."""
+    results = run_local(jobs.many_open_files, num_proc=num_proc, env=env)
+    total = num_proc * (num_proc + 1) / 2
+    for out in results:
+        assert out["lowest_free_fd"] > 1024  # the job's sockets came after the files
+        assert out["small"] == [total] * 3 and out["large"] == total
+        assert out["burst"] == [num_proc * i + total - num_proc for i in range(30)]
+        assert out["gathered"] == list(range(num_proc))
+
+
 @pytest.mark.parametrize("num_proc,env", [
     (2, {}),
     (3, {"HVD_SPARK_DISABLE_SHM": "1"}),

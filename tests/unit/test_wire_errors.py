@@ -1,8 +1,11 @@
-"""Malformed addresses and frames are the project's errors, naming where they came from."""
+"""Malformed addresses and frames are the project's errors, naming where they came from;
+waits for data work on any descriptor."""
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 
 import pytest
 
@@ -34,3 +37,33 @@ def test_a_frame_that_does_not_unpickle_names_the_peer():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("high", [False, True])
+def test_waiting_for_data_works_past_select_s_descriptor_limit(high):
+    """select(2) refuses descriptors from 1024 on; a process holding many files gets
+    such numbers, so waits use poll(2) there (with the same answers)."""
+    import resource
+
+    a, b = socket.socketpair()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if high and soft <= 1500:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    try:
+        if high:
+            fd = os.dup2(b.fileno(), 1500)  # a descriptor select() cannot take
+            b.close()
+            b = socket.socket(fileno=fd)
+        assert wire.wait_readable([b], 0.0) == []
+        started = time.monotonic()
+        assert wire.wait_readable([b], 0.05) == []
+        assert time.monotonic() - started >= 0.04
+        a.sendall(b"x")
+        assert wire.wait_readable([a, b], 1.0) == [b]
+        assert wire.poll_readable([b], 0.01) == [b]
+        a.close()  # the peer's close is readable too (recv then says so)
+        assert wire.wait_readable([b], 1.0) == [b]
+    finally:
+        a.close()
+        b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import select
 import socket
 import sys
 import threading
@@ -75,7 +74,7 @@ class _Acceptor:
         # with a short timeout so stop() ends this thread instead of leaking it.
         while not self._stop.is_set():
             try:
-                readable, _, _ = select.select(self._listeners, [], [], _ACCEPT_POLL_S)
+                readable = wire.wait_readable(self._listeners, _ACCEPT_POLL_S)
                 if not readable:
                     continue
                 conn, peer = readable[0].accept()

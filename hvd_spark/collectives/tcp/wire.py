@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import pickle
 import select
@@ -104,6 +105,27 @@ def recv_into_exact(sock: socket.socket, view: memoryview, what: str = "peer") -
         raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
 
 
+def wait_readable(socks: Sequence[socket.socket],
+                  timeout: float | None) -> list[socket.socket]:
+    """Those of ``socks`` that are readable (data, or the peer closed) within ``timeout``
+    seconds (None: no limit; 0: just look).
+
+    select(2), the cheapest, takes no descriptor from 1024 on (FD_SETSIZE); a process
+    holding many files gets such numbers (Spark raises the open-file limit), and select
+    then raised ValueError: those sets use poll(2), whose timeouts are whole
+    milliseconds (rounded up).
+    """
+    if all(s.fileno() < _SELECT_FD_LIMIT for s in socks):
+        return select.select(socks, [], [], timeout)[0]
+    poller = select.poll()
+    by_fd = {}
+    for sock in socks:
+        poller.register(sock, select.POLLIN)
+        by_fd[sock.fileno()] = sock
+    millis = None if timeout is None else math.ceil(max(0.0, timeout) * 1000)
+    return [by_fd[fd] for fd, _ in poller.poll(millis)]
+
+
 def poll_readable(socks: list[socket.socket], spin_s: float) -> list[socket.socket]:
     """Poll ``socks`` for up to ``spin_s`` seconds; return those readable (empty when the
     time is up: the caller then blocks as usual).
@@ -112,11 +134,11 @@ def poll_readable(socks: list[socket.socket], spin_s: float) -> list[socket.sock
     9-byte notice on a VM) and wakes up late itself; a polling one costs a microsecond
     or two per look, and its sender nothing extra.
     """
-    if spin_s <= 0 or any(s.fileno() >= _SELECT_FD_LIMIT for s in socks):
+    if spin_s <= 0:
         return []  # then just block
     until = time.monotonic() + spin_s
     while True:
-        readable = select.select(socks, [], [], 0.0)[0]
+        readable = wait_readable(socks, 0.0)
         if readable or time.monotonic() >= until:
             return readable
 
