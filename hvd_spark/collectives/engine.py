@@ -16,6 +16,7 @@ race for a control socket's messages.
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import threading
@@ -94,6 +95,11 @@ class Engine(EngineCore):
         self._outbox: dict[int, list[tuple[str, list[m.Request]]]] = {
             peer: [] for peer in self._control}
         self._wake_pending = False  # a wake byte is on its way (one per cycle is enough)
+        # Bytes for a peer that its socket did not take at once, in order (under
+        # _send_lock), and the peers whose backlog a thread is sending (see _send).
+        self._backlog: dict[int, collections.deque[list[memoryview]]] = {
+            peer: collections.deque() for peer in self._control}
+        self._draining: set[int] = set()
         # A caller waiting for its operation polls this long before sleeping in select
         # (init() resolves the setting against the ranks on this host).
         self._spin_s = config.spin_seconds(size)
@@ -123,9 +129,10 @@ class Engine(EngineCore):
             self._submit_to_rank_0(entries)
         else:
             self._submit_on_rank_0(entries)
-        if not self._parked:
+        if not self._parked or self._drivers:
             # Parked, it looks again within PARK_S unless a caller drives first; not
-            # waking it spares a synchronous call a GIL hand-off.
+            # waking it spares a synchronous call a GIL hand-off. A caller that drives
+            # already (another thread) is woken to send these.
             self._wake()
 
     def _submit_to_rank_0(self, entries: list[Entry]) -> None:
@@ -134,16 +141,17 @@ class Engine(EngineCore):
 
         With two ranks, the pairable ones are recorded too (see ``pairing``): recorded
         before they leave, since rank 0's answer may follow; in the same hold of the
-        send lock as they are held, so a pair decided here finds them held or sent
-        (``_decide`` sends them before reducing into the tensors that ride along); and
-        in order, or a request of a name's next round could reach rank 0 before this one.
+        lock as they are held, so a pair decided here (matched under that lock) finds
+        them held or sent (``_decide`` pickles them before reducing into the tensors
+        that ride along); and in order, under the send lock, or a request of a name's
+        next round could reach rank 0 before this one.
         """
         requests = [e.request for e in entries]
         with self._send_lock:  # requests leave in the order they were recorded
-            if self._pairs is not None:
-                with self._lock:
+            with self._lock:
+                if self._pairs is not None:
                     self._record_own([r for r in requests if pairable(r)])
-            self._hold(0, "req", requests)
+                self._hold(0, "req", requests)
 
     def _submit_on_rank_0(self, entries: list[Entry]) -> None:
         """Queue the requests for the coordinator, but for those the two ranks decide
@@ -181,7 +189,7 @@ class Engine(EngineCore):
 
     def _hold(self, peer: int, kind: str, requests: list[m.Request]) -> None:
         """Hold ``requests`` for ``peer``, in one frame with those held before them (the
-        caller holds the send lock)."""
+        caller holds the send lock and the lock)."""
         box = self._outbox[peer]
         if box and box[-1][0] == kind:
             box[-1][1].extend(requests)
@@ -190,16 +198,50 @@ class Engine(EngineCore):
 
     def _send(self, peer: int, frames: list) -> None:
         """Send what is held for ``peer``, then ``frames`` (the caller holds the send
-        lock). A failure fails the engine, and with it every pending operation."""
+        lock). A failure fails the engine, and with it every pending operation.
+
+        The thread running the cycle sends here, on both ranks of a pair, so it must not
+        wait for room on the socket: the other rank's cycle may be waiting to send too,
+        and neither would read. What the socket does not take at once goes to a thread
+        that waits for it (``_drain_backlog``), and what follows queues behind it.
+        """
         held = self._outbox[peer]
         if held:
             # Pickled now: a snapshot of the tensors riding along, taken before any
             # reduction into them (pairs are decided only after this, see _decide).
             frames = [*(wire.encode_obj(item, pooled=True) for item in held), *frames]
             held.clear()
-        if frames:
-            wire.send_frames(self._control[peer], frames, f"rank {peer}")
-            self.frames_sent += len(frames)
+        if not frames:
+            return
+        self.frames_sent += len(frames)
+        pieces = wire.frame_pieces(frames)
+        if peer not in self._draining:
+            pieces = wire.send_pieces_now(self._control[peer], pieces, f"rank {peer}")
+            if not pieces:
+                return
+            self._draining.add(peer)
+            threading.Thread(target=self._drain_backlog, args=(peer,), daemon=True,
+                             name=f"hvd-send-{peer}").start()
+        self._backlog[peer].append(pieces)
+
+    def _drain_backlog(self, peer: int) -> None:
+        """Send ``peer``'s backlog in order, waiting for room (up to the socket's
+        timeout); a failure fails the engine, as in ``_send``."""
+        sock, what = self._control[peer], f"rank {peer}"
+        while True:
+            with self._send_lock:
+                if not self._backlog[peer]:
+                    self._draining.discard(peer)
+                    return
+                pieces = self._backlog[peer].popleft()
+            try:
+                wire.send_pieces(sock, pieces, what)
+            except HvdSparkError as exc:
+                with self._lock:
+                    if self._failure is None:
+                        self._failure = exc
+                self._wake()  # the background thread fails what is pending
+                return  # (still "draining": nothing more goes out on that socket)
 
     def _flush(self) -> None:
         """Send every held frame (the cycle calls this)."""
@@ -315,8 +357,10 @@ class Engine(EngineCore):
         self._told_others = True
         for peer, sock in self._control.items():
             try:
-                sock.settimeout(_ABORT_SEND_S)
                 with self._send_lock:
+                    if peer in self._draining:
+                        continue  # a frame is half sent there: closing tells it
+                    sock.settimeout(_ABORT_SEND_S)
                     wire.send_obj(sock, ("abort", str(failure)), f"rank {peer}")
             except (HvdSparkError, OSError):
                 pass  # that peer is gone too, or stuck: closing tells it anyway
@@ -500,14 +544,16 @@ class Engine(EngineCore):
             coord.add(1, request, since)
 
     def _drain_wake(self) -> None:
-        # Cleared first: a submitter that still saw it set had queued or held its work
-        # before this, so the cycle that follows takes that work.
-        self._wake_pending = False
         try:
             while self._wake_r.recv(4096):
                 pass
         except (BlockingIOError, InterruptedError):
             pass
+        # Cleared after draining (a byte sent meanwhile would be eaten with the flag
+        # still set, and no wake would ever be sent again) and before the caller looks
+        # for work: a submitter that still saw it set had queued or held its work
+        # already, so the cycle that follows takes that work.
+        self._wake_pending = False
 
     def _drain_local(self, woken: bool) -> list[Entry]:
         if woken:

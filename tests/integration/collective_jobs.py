@@ -486,3 +486,57 @@ def many_open_files() -> dict:
     for fd in held:
         os.close(fd)
     return out
+
+
+def burst_through_small_socket_buffers(count: int = 160) -> dict:
+    """Both ranks' cycles send at once (rank 0 its pair copies, rank 1 its requests): a
+    burst bigger than the control sockets' buffers must not leave each waiting for the
+    other to read (Linux's default buffer limits are about 200 KB; these are 64 KB)."""
+    import socket
+
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    r = hvd.rank()
+    for sock in api._engine._control.values():
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, 64 * 1024)
+    hvd.barrier()
+    started = time.monotonic()
+    arrays = [np.full(8 * 1024, float(i + r)) for i in range(count)]  # 64 KB: paired
+    handles = [hvd.allreduce_async_(a, name=f"small.{i}", op=hvd.Sum)
+               for i, a in enumerate(arrays)]
+    for h in handles:
+        hvd.synchronize(h)
+    out = {"seconds": time.monotonic() - started,
+           "exact": all((a == 2 * i + 1).all() for i, a in enumerate(arrays))}
+    hvd.barrier()
+    hvd.shutdown()
+    return out
+
+
+def hold_after_a_thread_switch() -> dict:
+    """Rank 1's thread is switched out between recording a paired request and holding
+    it (a delay injected there), while rank 0's copy is already in: the pair must still
+    send rank 1's input, not the result written into its array."""
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    r = hvd.rank()
+    engine = api._engine
+    if r == 1:
+        hold = engine._hold
+
+        def slow_hold(peer, kind, requests):
+            engine._wake()  # the engine thread runs meanwhile
+            time.sleep(0.05)
+            hold(peer, kind, requests)
+
+        engine._hold = slow_hold
+        time.sleep(0.3)  # rank 0's copies come first
+    arrays = [np.arange(4.0) + 10 * (r + 1) + i for i in range(5)]
+    for i, a in enumerate(arrays):
+        hvd.synchronize(hvd.allreduce_async_(a, name=f"switch.{i}", op=hvd.Sum))
+    hvd.barrier()
+    hvd.shutdown()
+    return {"results": [a.tolist() for a in arrays]}

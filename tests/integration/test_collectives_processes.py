@@ -83,6 +83,22 @@ def test_held_requests_leave_together_and_carry_their_inputs():
         assert out["burst_frames"] < 25, f"rank {r} sent {out['burst_frames']} frames"
 
 
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_burst_larger_than_the_socket_buffers_does_not_block_both_ranks(shm):
+    results = run_local(jobs.burst_through_small_socket_buffers, num_proc=2,
+                        env={"HVD_SPARK_TIMEOUT": "20", "HVD_SPARK_DISABLE_SHM": shm})
+    for r, out in enumerate(results):
+        assert out["exact"], f"rank {r}"
+        assert out["seconds"] < 10, f"rank {r} took {out['seconds']:.1f} s"
+
+
+def test_a_pair_decided_before_its_half_is_held_sends_the_input():
+    results = run_local(jobs.hold_after_a_thread_switch, num_proc=2)
+    want = [(np.arange(4.0) * 2 + 30 + 2 * i).tolist() for i in range(5)]
+    assert results[0]["results"] == want
+    assert results[1]["results"] == want
+
+
 @pytest.mark.parametrize("num_proc,env", [(2, {}), (3, {"HVD_SPARK_DISABLE_SHM": "1"})])
 def test_ranks_holding_over_1024_files_still_connect_and_reduce(num_proc, env):
     """select() took no descriptor from 1024 on: such a rank failed at init (its peers

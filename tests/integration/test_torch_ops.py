@@ -75,8 +75,13 @@ def _synchronous_paths() -> None:
     """Synchronous calls take the numpy API's synchronous path: a 128 KB tensor rides
     with its negotiation (two ranks decide it alone), an async one of that size goes
     through the ring; in place keeps the memory; a process set is honoured."""
+    import time
+
+    import numpy as np
+
     import hvd_spark.torch as hvd
     from hvd_spark.collectives import api
+    from hvd_spark.errors import HvdSparkError
 
     hvd.init()
     r = hvd.rank()
@@ -95,6 +100,17 @@ def _synchronous_paths() -> None:
     h = hvd.allreduce_async(torch.full((32 * 1024,), float(r)), op=hvd.Sum)
     assert torch.equal(hvd.synchronize(h), torch.ones(32 * 1024))
     assert engine.paired == before  # the ring
+    # A bad argument on one rank fails that rank at once and its peer promptly.
+    started = time.monotonic()
+    try:
+        if r == 0:
+            hvd.allreduce_(np.ones(3), name="not.a.tensor")
+        else:
+            hvd.allreduce_(torch.ones(3), name="not.a.tensor")
+        raise AssertionError("accepted")
+    except HvdSparkError as exc:
+        assert "not.a.tensor" in str(exc) or "tensor" in str(exc), exc
+    assert time.monotonic() - started < 5
     alone = [hvd.add_process_set([0]), hvd.add_process_set([1])][r]
     x = torch.full((3,), float(r + 5))
     assert torch.equal(hvd.allreduce_(x, op=hvd.Sum, process_set=alone), torch.full((3,), r + 5.0))

@@ -278,39 +278,70 @@ def send_frame(sock: socket.socket, payload: bytes | bytearray | memoryview,
 
 
 # sendmsg takes at most IOV_MAX (1024 on Linux) pieces; two per frame.
-_FRAMES_PER_SENDMSG = 500
+_PIECES_PER_SENDMSG = 1000
+
+
+def frame_pieces(payloads: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
+    """The bytes of length-prefixed frames, as pieces for one gathered send."""
+    pieces = []
+    for payload in payloads:
+        pieces += (memoryview(_LEN.pack(len(payload))), memoryview(payload).cast("B"))
+    return pieces
 
 
 def send_frames(sock: socket.socket, payloads: Sequence[bytes | bytearray | memoryview],
                 what: str = "peer") -> None:
     """Send several length-prefixed frames in one go (one system call when small): the
     receiver reads them as if sent one by one."""
-    parts: list[bytes | bytearray | memoryview] = []
-    for payload in payloads:
-        parts += (_LEN.pack(len(payload)), payload)
-    total = sum(len(p) for p in parts)
-    if total <= _ONE_RECV_BYTES:
-        send_all(sock, b"".join(parts), what)
+    send_pieces(sock, frame_pieces(payloads), what)
+
+
+def send_pieces(sock: socket.socket, pieces: list[memoryview], what: str = "peer") -> None:
+    """Send ``pieces`` (see ``frame_pieces``) in order, waiting as the socket's timeout
+    allows."""
+    if sum(p.nbytes for p in pieces) <= _ONE_RECV_BYTES:
+        send_all(sock, b"".join(pieces), what)
         return
     # Gathered by the kernel: joining would copy the frames into fresh pages first.
-    for start in range(0, len(parts), 2 * _FRAMES_PER_SENDMSG):
-        _sendmsg_all(sock, parts[start : start + 2 * _FRAMES_PER_SENDMSG], what)
+    while pieces:
+        pieces = _sendmsg(sock, pieces, what)
 
 
-def _sendmsg_all(sock: socket.socket, parts: list, what: str) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        try:
-            sent = sock.sendmsg(views)
-        except TimeoutError:
-            raise _send_timeout(sock, what) from None
-        except OSError as exc:
-            raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
-        while views and sent >= views[0].nbytes:  # drop what went, keep the rest
-            sent -= views[0].nbytes
-            views.pop(0)
-        if views and sent:
-            views[0] = views[0][sent:]
+def send_pieces_now(sock: socket.socket, pieces: list[memoryview],
+                    what: str = "peer") -> list[memoryview]:
+    """Send what of ``pieces`` the socket takes without waiting; returns the rest (empty
+    when all went), to be sent later in order."""
+    previous = sock.gettimeout()
+    sock.settimeout(0.0)  # else CPython waits for room up to the timeout
+    try:
+        while pieces:
+            try:
+                pieces = _sendmsg(sock, pieces, what)
+            except BlockingIOError:
+                break
+    finally:
+        sock.settimeout(previous)
+    return pieces
+
+
+def _sendmsg(sock: socket.socket, pieces: list[memoryview], what: str) -> list[memoryview]:
+    """One sendmsg of the first pieces; returns what is left to send."""
+    try:
+        sent = sock.sendmsg(pieces[:_PIECES_PER_SENDMSG])
+    except (BlockingIOError, InterruptedError):
+        raise
+    except TimeoutError:
+        raise _send_timeout(sock, what) from None
+    except OSError as exc:
+        raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+    done = 0
+    while done < len(pieces) and sent >= pieces[done].nbytes:  # what went in full
+        sent -= pieces[done].nbytes
+        done += 1
+    rest = pieces[done:]
+    if rest and sent:
+        rest[0] = rest[0][sent:]
+    return rest
 
 
 def recv_frame(sock: socket.socket, what: str = "peer",
