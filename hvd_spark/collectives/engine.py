@@ -214,6 +214,8 @@ class Engine(EngineCore):
         if not frames:
             return
         self.frames_sent += len(frames)
+        if peer in self._draining and self._failure is not None:
+            return  # its sender stopped on that failure: nothing more leaves
         pieces = wire.frame_pieces(frames)
         if peer not in self._draining:
             pieces = wire.send_pieces_now(self._control[peer], pieces, f"rank {peer}")
@@ -236,10 +238,14 @@ class Engine(EngineCore):
                 pieces = self._backlog[peer].popleft()
             try:
                 wire.send_pieces(sock, pieces, what)
-            except HvdSparkError as exc:
+            except BaseException as exc:  # noqa: BLE001 - any error fails the engine
+                if not isinstance(exc, HvdSparkError):
+                    exc = PeerDisconnectedError(f"sending to {what} failed: {exc!r}")
                 with self._lock:
                     if self._failure is None:
                         self._failure = exc
+                with self._send_lock:
+                    self._backlog[peer].clear()
                 self._wake()  # the background thread fails what is pending
                 return  # (still "draining": nothing more goes out on that socket)
 
@@ -321,12 +327,16 @@ class Engine(EngineCore):
                 self._close()
 
     def _park(self) -> None:
-        """Stand aside while callers drive (see ``_callers_drive``); then look for work."""
+        """Stand aside while callers drive (see ``_callers_drive``); then look for work.
+
+        It sleeps rather than waiting on the wake socket: a wake meant for the caller
+        that drives (another thread's submission, held for its cycle to send) would be
+        read here, and that caller would sleep on in its cycle for up to a slice.
+        """
         self._parked = True
         try:
             while not self._failure and not self._stopping and self._callers_drive():
-                wire.wait_readable([self._wake_r], PARK_S)
-                self._drain_wake()
+                time.sleep(PARK_S)
         finally:
             self._parked = False
 
@@ -701,6 +711,10 @@ class Engine(EngineCore):
                 with self._send_lock:
                     for peer in self._control:
                         self._send(peer, [wire.encode_obj(("bye", None))])
+            # A backlog's sender may still hold the goodbye: let it go before closing.
+            deadline = time.monotonic() + _BYE_WAIT_S
+            while self._draining and self._failure is None and time.monotonic() < deadline:
+                time.sleep(1e-3)
         except HvdSparkError as exc:
             log.debug("rank %d left without a clean goodbye: %s", self.rank, exc)
 
@@ -722,6 +736,13 @@ class Engine(EngineCore):
         self._closed = True
         self.comm.close()
         for sock in [*self._control.values(), self._wake_r, self._wake_w]:
+            try:
+                # Shut down first: a close() alone sends nothing while a thread still
+                # waits in a send on it (a backlog's sender, see _send).
+                if sock in self._control.values():
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 sock.close()
             except OSError:

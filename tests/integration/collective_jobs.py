@@ -540,3 +540,38 @@ def hold_after_a_thread_switch() -> dict:
     hvd.barrier()
     hvd.shutdown()
     return {"results": [a.tolist() for a in arrays]}
+
+
+def submissions_while_another_thread_drives(count: int = 40) -> dict:
+    """Thread A on rank 1 waits in an allreduce rank 0 joins only later (A's thread runs
+    the cycles meanwhile); thread B's asynchronous allgathers, which rank 0 submitted
+    long ago, must still leave at once, not at A's next slice of its cycle."""
+    import threading
+
+    hvd.init()
+    r = hvd.rank()
+    hvd.barrier()
+    if r == 0:
+        handles = [hvd.allgather_async(np.ones(2), name=f"b.{i}") for i in range(count)]
+        time.sleep(0.2 + 0.01 * count + 1.0)
+        hvd.allreduce(np.ones(2), name="slow")
+        for h in handles:
+            hvd.synchronize(h)
+        hvd.barrier()
+        hvd.shutdown()
+        return {}
+    waiter = threading.Thread(target=hvd.allreduce, args=(np.ones(2),), kwargs={"name": "slow"})
+    waiter.start()
+    time.sleep(0.2)
+    latencies = []
+    for i in range(count):
+        time.sleep(0.005 + 0.01 * (i % 2))
+        started = time.monotonic()
+        h = hvd.allgather_async(np.ones(2), name=f"b.{i}")
+        while not hvd.poll(h):
+            time.sleep(1e-4)
+        latencies.append(time.monotonic() - started)
+    waiter.join(30)
+    hvd.barrier()
+    hvd.shutdown()
+    return {"latencies": latencies}

@@ -92,6 +92,15 @@ def test_a_burst_larger_than_the_socket_buffers_does_not_block_both_ranks(shm):
         assert out["seconds"] < 10, f"rank {r} took {out['seconds']:.1f} s"
 
 
+def test_submissions_leave_promptly_while_another_thread_drives():
+    latencies = sorted(run_local(jobs.submissions_while_another_thread_drives,
+                                 num_proc=2)[1]["latencies"])
+    # Held for the waiting thread's cycle, they used to wait for its 50 ms slice to end
+    # (a third of them over 10 ms); each needs a few ms at most.
+    slow = [round(t * 1e3) for t in latencies if t > 0.025]
+    assert len(slow) <= 3, f"ms: {slow}"
+
+
 def test_a_pair_decided_before_its_half_is_held_sends_the_input():
     results = run_local(jobs.hold_after_a_thread_switch, num_proc=2)
     want = [(np.arange(4.0) * 2 + 30 + 2 * i).tolist() for i in range(5)]
