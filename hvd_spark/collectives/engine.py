@@ -410,9 +410,10 @@ class Engine(EngineCore):
     def _read_frames(self, sock: socket.socket) -> None:
         """Handle every control frame ``sock`` has waiting (up to ``_FRAMES_PER_CYCLE``).
 
-        A peer sends each submission as its own frame; read one a cycle, 161 gradients
-        took 161 cycles and rank 0 answered them in fused batches of a few as they
-        trickled in. Read together, they are decided (and fused) together.
+        Several may wait (requests, pair copies, responses: they queue up while a ring
+        runs). Read one a cycle, as before, a burst of 161 gradients took 161 cycles and
+        rank 0 answered them in fused batches of a few as they trickled in; read
+        together, they are decided (and fused) together.
         """
         peer = self._sock_rank[sock.fileno()]
         for _ in range(_FRAMES_PER_CYCLE):
