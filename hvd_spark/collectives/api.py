@@ -370,16 +370,6 @@ def _in_place_finish(target: np.ndarray):
     return finish
 
 
-_DTYPE_NAMES: dict[np.dtype, str] = {}
-
-
-def _dtype_name(dtype: np.dtype) -> str:
-    # numpy 2 computes dtype.name in Python (about 5 us); gradients ask for it every step.
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = dtype.name
-    return name
-
 
 def _set_rank(process_set: ProcessSet, global_rank: int, what: str) -> int:
     """A global root rank as its index in ``process_set`` (Horovod passes global ranks)."""
@@ -430,7 +420,7 @@ def _allreduce_build(array, op, prescale, postscale, inplace: bool, lone: bool =
         if work.nbytes <= _eager_bytes(lone) and reduce_op != ReduceOp.Adasum:
             # Small: the tensor rides on the request and rank 0 reduces it (no ring).
             payload = (work if source is None else source).reshape(-1)
-        request = m.Request(key, m.ALLREDUCE, _dtype_name(work.dtype), work.shape, int(reduce_op),
+        request = m.Request(key, m.ALLREDUCE, m.dtype_name(work.dtype), work.shape, int(reduce_op),
                             float(prescale), float(postscale), members=members,
                             payload=payload)
         if source is not None:
@@ -664,7 +654,7 @@ def _allgather_build(array):
         if arr.ndim == 0:
             arr = arr.reshape(1)
         work = np.ascontiguousarray(arr)
-        request = m.Request(key, m.ALLGATHER, _dtype_name(work.dtype), work.shape,
+        request = m.Request(key, m.ALLGATHER, m.dtype_name(work.dtype), work.shape,
                             members=members)
         return request, work, None
 
@@ -703,7 +693,7 @@ def _broadcast_build(array, root_rank: int, process_set: ProcessSet, inplace: bo
             work = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
         else:
             work = np.array(arr, order="C", copy=True)
-        request = m.Request(key, m.BROADCAST, _dtype_name(work.dtype), work.shape, root=root,
+        request = m.Request(key, m.BROADCAST, m.dtype_name(work.dtype), work.shape, root=root,
                             members=members)
         return request, work, (_in_place_finish(arr) if inplace else None)
 
@@ -752,7 +742,7 @@ def alltoall_async(array: np.ndarray, splits: Sequence[int] | None = None,
                 raise CollectiveArgumentError(
                     f"alltoall {key!r}: splits must be integers, got dtype {raw.dtype}")
             split_t = tuple(int(s) for s in raw.reshape(-1))
-        request = m.Request(key, m.ALLTOALL, _dtype_name(work.dtype), work.shape,
+        request = m.Request(key, m.ALLTOALL, m.dtype_name(work.dtype), work.shape,
                             splits=split_t, members=members)
         return request, work, None
 
@@ -779,7 +769,7 @@ def _reducescatter_build(array, op, prescale, postscale):
                 f"reducescatter {key!r}: Adasum is only supported by allreduce")
         check_reduction(work.dtype, reduce_op, prescale, postscale, key)
         scale_in_place(work, prescale)
-        request = m.Request(key, m.REDUCESCATTER, _dtype_name(work.dtype), work.shape,
+        request = m.Request(key, m.REDUCESCATTER, m.dtype_name(work.dtype), work.shape,
                             int(reduce_op), float(prescale), float(postscale), members=members)
         return request, work, None
 

@@ -357,17 +357,22 @@ def encode_obj(obj: Any, pooled: bool = False) -> bytes | bytearray | memoryview
     """``obj`` as ``send_obj`` frames it: a snapshot, so a caller may send it later while
     another thread changes the arrays it holds.
 
-    Arrays of over ``IN_BAND_MAX_BYTES`` (a big eager allreduce's tensor) leave
-    the pickle as raw buffers, copied once into the frame behind it (``_BUFFERS``); the
-    receiver's arrays are views of the frame it read. In the pickle they would be copied
-    three times more on each side. With ``pooled`` such a frame is a ``frame_buffer``
-    (the engine's, sent again and again), else a bytearray.
+    Tensors stay in the pickle up to ``IN_BAND_MAX_BYTES`` in all; the others (a big
+    eager allreduce's tensor, a batch of many mid-size ones) leave it as raw buffers,
+    copied once into the frame behind it (``_BUFFERS``), and the receiver's arrays are
+    views of the frame it read. In the pickle they would be copied three times more on
+    each side, into fresh pages once it grows large. With ``pooled`` such a frame is a
+    ``frame_buffer`` (the engine's, sent again and again), else a bytearray.
     """
     buffers: list[pickle.PickleBuffer] = []
+    in_band = 0
 
     def out_of_band(buffer: pickle.PickleBuffer) -> bool:
-        if buffer.raw().nbytes <= IN_BAND_MAX_BYTES:
-            return True  # in the pickle: cheaper for small ones, and stays bytes
+        nonlocal in_band
+        size = buffer.raw().nbytes
+        if in_band + size <= IN_BAND_MAX_BYTES:
+            in_band += size
+            return True  # in the pickle: cheaper for small ones
         buffers.append(buffer)
         return False
 

@@ -1,0 +1,145 @@
+"""Two-rank jobs for the TCP engine's express allreduce (``Engine.express_allreduce``).
+
+The workers import these functions; the test process builds its references with
+``pairing_jobs.reference``. Each job returns the engine's express counters with its
+results, so a test sees which path ran as well as what came out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+import hvd_spark.collectives as hvd
+from tests.integration import pairing_jobs
+
+#: Every dtype and op the express path reduces, float16/bfloat16 included.
+CASES = [
+    ("float32", "Sum"), ("float64", "Average"), ("int64", "Max"), ("int32", "Min"),
+    ("float32", "Product"), ("float16", "Sum"), ("bfloat16", "Average"),
+]
+SIZES = [1, 7, 256]
+
+
+def case_spec(i: int, limit_bytes: int) -> dict:
+    """The ``i``-th call's allreduce: cycling dtypes, ops, sizes (one at the synchronous
+    eager limit), in place every other call, a postscale every third."""
+    dtype, op = CASES[i % len(CASES)]
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    sizes = [*SIZES, limit_bytes // itemsize]
+    floats = dtype.startswith("float") or dtype == "bfloat16"
+    return {"name": f"x.{i % 5}", "n": sizes[i % len(sizes)], "dtype": dtype, "op": op,
+            "prescale": 1.0, "postscale": 2.0 if floats and i % 3 == 0 and op != "Product"
+            else 1.0, "inplace": i % 2 == 0}
+
+
+def _tensor(spec: dict, rank: int, step: int) -> np.ndarray:
+    if spec["dtype"] == "bfloat16":
+        import ml_dtypes
+
+        as_f32 = dict(spec, dtype="float32")
+        return pairing_jobs.tensor(as_f32, rank, step).astype(ml_dtypes.bfloat16)
+    return pairing_jobs.tensor(spec, rank, step)
+
+
+def _call(spec: dict, rank: int, step: int) -> np.ndarray:
+    x = _tensor(spec, rank, step)
+    fn = hvd.allreduce_ if spec["inplace"] else hvd.allreduce
+    out = fn(x, name=spec["name"], op=getattr(hvd, spec["op"]),
+             postscale_factor=spec["postscale"])
+    if spec["inplace"] and out is not x:
+        raise AssertionError("allreduce_ returned another array than the one it was given")
+    return out
+
+
+def _counters(engine, before: tuple[int, int]) -> dict:
+    return {"express": engine.express_rounds - before[0],
+            "fallbacks": engine.express_fallbacks - before[1]}
+
+
+def _engine():
+    from hvd_spark.collectives import api
+
+    return api._engine
+
+
+def express_rounds(count: int, slow_rank: int | None = None, delay_s: float = 0.0) -> dict:
+    """``count`` synchronous allreduces of every kind in ``case_spec``; with
+    ``slow_rank``, that rank sleeps ``delay_s`` before each call (the other waits)."""
+    hvd.init()
+    engine, r = _engine(), hvd.rank()
+    limit = engine.lone_eager_bytes
+    before = (engine.express_rounds, engine.express_fallbacks)
+    results = []
+    for i in range(count):
+        if r == slow_rank:
+            time.sleep(delay_s)
+        results.append(_call(case_spec(i, limit), r, i))
+    out = {"results": [np.asarray(v, np.float64) for v in results], "limit": limit,
+           **_counters(engine, before)}
+    hvd.barrier()
+    return out
+
+
+def submission_during_express(rounds: int, delay_s: float) -> dict:
+    """Rank 0's main thread waits in an express allreduce ``y`` that rank 1 calls only
+    after ``x``, a large allreduce rank 1 submitted before a barrier (so rank 0's
+    coordinator holds its request) and another thread of rank 0 submits ``delay_s``
+    later. Only that submission's wake tells the express wait to hand over: ``x`` must
+    run at once, not when the wait gives up."""
+    hvd.init()
+    engine, r = _engine(), hvd.rank()
+    before = (engine.express_rounds, engine.express_fallbacks)
+    big = 1 << 18  # 1 MB of float32: past the limit of a tensor riding along
+    x_times, results = [], []
+    for k in range(rounds):
+        if r == 0:
+            hvd.barrier()
+            got: dict = {}
+
+            def submit_x(k=k, got=got) -> None:
+                time.sleep(delay_s)
+                start = time.monotonic()
+                got["x"] = hvd.allreduce(np.full(big, k + 1.0, np.float32), name="x",
+                                         op=hvd.Sum)
+                got["seconds"] = time.monotonic() - start
+
+            thread = threading.Thread(target=submit_x)
+            thread.start()
+            y = hvd.allreduce(np.array([10.0 * k]), name="y", op=hvd.Sum)
+            thread.join()
+            x_times.append(got["seconds"])
+            x = got["x"]
+        else:
+            handle = hvd.allreduce_async(np.full(big, k + 2.0, np.float32), name="x",
+                                         op=hvd.Sum)
+            hvd.barrier()
+            x = hvd.synchronize(handle)
+            y = hvd.allreduce(np.array([10.0 * k + 1]), name="y", op=hvd.Sum)
+        results.append((float(x.min()), float(x.max()), float(y[0])))
+    out = {"results": results, "x_seconds": x_times, **_counters(engine, before)}
+    hvd.barrier()
+    return out
+
+
+def disagreeing_shapes() -> dict:
+    """The ranks call one name with different shapes (both on the express path): both
+    fail alike and promptly, and the name works again after."""
+    hvd.init()
+    engine, r = _engine(), hvd.rank()
+    before = (engine.express_rounds, engine.express_fallbacks)
+    hvd.allreduce(np.zeros(1), name="warm")
+    start = time.monotonic()
+    try:
+        hvd.allreduce(np.ones(3 + r), name="bad", op=hvd.Sum)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the test checks what came back
+        error = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - start
+    again = hvd.allreduce(np.full(3, r + 1.0), name="bad", op=hvd.Sum)
+    out = {"error": error, "seconds": seconds, "again": again.tolist(),
+           **_counters(engine, before)}
+    hvd.barrier()
+    return out

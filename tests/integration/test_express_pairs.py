@@ -1,0 +1,79 @@
+"""The TCP engine's express allreduce (``Engine.express_allreduce``) on two real ranks.
+
+A synchronous allreduce that two ranks decide alone runs on the caller's thread with
+one frame each way; whenever something else turns up it hands over to the usual cycle.
+Results are checked against numpy and bitwise across the ranks, and the engine's
+counters show which path each call took.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hvd_spark.runner import run_local
+from tests.integration import express_pair_jobs as jobs
+from tests.integration import pairing_jobs
+
+ENV = {"HVD_SPARK_TIMEOUT": "20"}
+
+
+def _reference(spec: dict, step: int) -> np.ndarray:
+    if spec["dtype"] == "bfloat16":  # inputs are small integers: exact in bfloat16
+        want = pairing_jobs.reference(dict(spec, dtype="float32"), step)
+        return want.astype(np.float64)
+    return pairing_jobs.reference(spec, step).astype(np.float64)
+
+
+def _check_results(outs: list[dict], count: int) -> None:
+    limit = outs[0]["limit"]
+    for i in range(count):
+        spec = jobs.case_spec(i, limit)
+        got = [outs[r]["results"][i] for r in (0, 1)]
+        np.testing.assert_array_equal(got[0].reshape(-1), _reference(spec, i).reshape(-1),
+                                      err_msg=f"call {i}: {spec}")
+        assert got[0].tobytes() == got[1].tobytes(), f"ranks differ at call {i}: {spec}"
+
+
+def test_synchronous_allreduces_of_every_kind_take_the_express_path_exactly():
+    count = 70
+    outs = run_local(jobs.express_rounds, args=(count,), num_proc=2, env=ENV)
+    _check_results(outs, count)
+    for r, out in enumerate(outs):
+        # Nearly every call: one may meet a frame of the barrier or warm-up.
+        assert out["express"] >= count // 2, f"rank {r}: {out['express']} express rounds"
+
+
+def test_a_slow_peer_hands_the_wait_to_the_usual_path():
+    """Rank 1 comes 120 ms late each time: rank 0 stops waiting on its own after a slice
+    and the usual cycle finishes the call; rank 1 finds rank 0's request read already."""
+    count = 4
+    outs = run_local(jobs.express_rounds, args=(count, 1, 0.12), num_proc=2, env=ENV)
+    _check_results(outs, count)
+    assert outs[0]["fallbacks"] >= count - 1, outs[0]
+    assert outs[1]["express"] >= count - 1, outs[1]
+
+
+def test_a_submission_from_another_thread_is_not_held_up_by_an_express_wait():
+    """Rank 0 waits in an express allreduce that rank 1 reaches only after another of
+    rank 0's threads submits ``x``: that submission is decided at once."""
+    rounds = 6
+    outs = run_local(jobs.submission_during_express, args=(rounds, 0.02), num_proc=2,
+                     env=ENV)
+    for out in outs:
+        assert out["results"] == [(2.0 * k + 3, 2.0 * k + 3, 20.0 * k + 1)
+                                  for k in range(rounds)]
+    # The express wait gives up after 50 ms at the latest; woken, it hands over at once.
+    quick = [s for s in outs[0]["x_seconds"] if s < 0.025]
+    assert len(quick) >= rounds - 1, outs[0]["x_seconds"]
+    assert outs[0]["fallbacks"] >= rounds - 1, outs[0]
+
+
+def test_ranks_that_disagree_on_the_express_path_both_fail_alike_and_promptly():
+    outs = run_local(jobs.disagreeing_shapes, num_proc=2, env=ENV)
+    texts = [out["error"] for out in outs]
+    assert texts[0] is not None and texts[0] == texts[1], texts
+    assert "bad" in texts[0] and "shape" in texts[0], texts[0]
+    for out in outs:
+        assert out["seconds"] < 5.0, out
+        assert out["again"] == [3.0, 3.0, 3.0]
+        assert out["fallbacks"] >= 1
