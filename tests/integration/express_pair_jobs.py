@@ -143,3 +143,31 @@ def disagreeing_shapes() -> dict:
            **_counters(engine, before)}
     hvd.barrier()
     return out
+
+
+def express_loop_with_a_stalled_request(max_calls: int) -> dict:
+    """Rank 1 submits an allgather rank 0 never does, then both loop on small synchronous
+    allreduces (rank 0's on the express path) until rank 1's allgather has failed: rank 0
+    must still time it out, as its usual cycle would."""
+    hvd.init()
+    engine, r = _engine(), hvd.rank()
+    hvd.allreduce(np.zeros(1), name="warm")
+    handle = hvd.allgather_async(np.zeros(3), name="only_rank1") if r == 1 else None
+    start = time.monotonic()
+    failed_after, calls = None, 0
+    before = (engine.express_rounds, engine.express_fallbacks)
+    while calls < max_calls:
+        done = handle is not None and handle.done()
+        if done and failed_after is None:
+            failed_after = time.monotonic() - start
+        calls += 1
+        if hvd.allreduce(np.array([float(done)]), name="loop", op=hvd.Max)[0] > 0:
+            break
+    error = None
+    if handle is not None:
+        try:
+            hvd.synchronize(handle)
+        except Exception as exc:  # noqa: BLE001 - the test checks what came back
+            error = f"{type(exc).__name__}: {exc}"
+    return {"calls": calls, "failed_after": failed_after, "error": error,
+            **_counters(engine, before)}

@@ -77,3 +77,14 @@ def test_ranks_that_disagree_on_the_express_path_both_fail_alike_and_promptly():
         assert out["seconds"] < 5.0, out
         assert out["again"] == [3.0, 3.0, 3.0]
         assert out["fallbacks"] >= 1
+
+
+def test_a_loop_of_express_calls_still_times_out_a_request_rank_0_never_makes():
+    """Rank 0's express calls skip its cycle; the coordinator's timeout must still fail
+    the allgather only rank 1 submitted, with the usual message, within the timeout."""
+    outs = run_local(jobs.express_loop_with_a_stalled_request, args=(400_000,), num_proc=2,
+                     env={"HVD_SPARK_TIMEOUT": "2"})
+    rank1 = outs[1]
+    assert rank1["error"] is not None and "did not submit" in rank1["error"], rank1
+    assert rank1["failed_after"] is not None and rank1["failed_after"] < 6.0, rank1
+    assert outs[0]["express"] > 0, outs[0]  # the loop did run on the express path
