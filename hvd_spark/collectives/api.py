@@ -370,7 +370,6 @@ def _in_place_finish(target: np.ndarray):
     return finish
 
 
-
 def _set_rank(process_set: ProcessSet, global_rank: int, what: str) -> int:
     """A global root rank as its index in ``process_set`` (Horovod passes global ranks)."""
     if process_set is global_process_set:

@@ -223,7 +223,7 @@ class Engine(EngineCore):
             if not claimed:
                 return None
             try:
-                result, entry = self._express_run(request, array, inplace, held)
+                result, entry = self._express_run(request, op, array, inplace, held)
             finally:
                 with self._lock:
                     self._drivers -= 1
@@ -232,8 +232,9 @@ class Engine(EngineCore):
             self._progress.release()
         return result if entry is None else self.wait(entry.handle)
 
-    def _express_run(self, request: m.Request, array: np.ndarray, inplace: bool,
-                     held: m.Request | None) -> tuple[np.ndarray | None, Entry | None]:
+    def _express_run(self, request: m.Request, op: ReduceOp, array: np.ndarray,
+                     inplace: bool, held: m.Request | None,
+                     ) -> tuple[np.ndarray | None, Entry | None]:
         """Send ``request``, take the other rank's and reduce: (result, None); or, when
         the usual path must go on, (None, the entry it waits for)."""
         name = request.name
@@ -247,8 +248,8 @@ class Engine(EngineCore):
                 first, second = ((request, peer_request) if self.rank == 0
                                  else (peer_request, request))
                 if disagreement(name, first, second) is None:
-                    reduce_rows([first.payload, second.payload], ReduceOp(request.op),
-                                request.postscale, out=out.reshape(-1))
+                    reduce_rows([first.payload, second.payload], op, request.postscale,
+                                out=out.reshape(-1))
                     self.paired += 1
                     self.express_rounds += 1
                     self.executed_responses += 1

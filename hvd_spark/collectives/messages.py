@@ -33,7 +33,6 @@ def dtype_of(name: str) -> np.dtype:
     return dtype
 
 
-
 _NAMES: dict[np.dtype, str] = {}
 
 
@@ -44,6 +43,7 @@ def dtype_name(dtype: np.dtype) -> str:
     if name is None:
         name = _NAMES[dtype] = dtype.name
     return name
+
 
 #: Most bytes of tensors one control frame carries inside its pickle; the others travel
 #: beside it (``wire.encode_obj``). Up to it in-band bytes cost less (a few us); a pickle

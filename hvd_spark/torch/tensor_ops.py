@@ -193,10 +193,10 @@ def allreduce(
     once: that call may carry a larger tensor with its negotiation (its caller is known
     to wait alone) and take the MPI backend's express path.
     """
-    _checked(tensor, "allreduce", "allreduce", name, process_set)
-    if tensor.is_cuda:
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:  # (checked by allreduce_async)
         return allreduce_async(tensor, name, op, prescale_factor, postscale_factor,
                                process_set).wait()
+    _checked(tensor, "allreduce", "allreduce", name, process_set)
     result = C.allreduce(as_numpy(_cpu(tensor)), name, op, prescale_factor,
                          postscale_factor, process_set)
     return from_numpy(result, tensor.device)
@@ -208,10 +208,10 @@ def allreduce_(
     process_set: C.ProcessSet = _GLOBAL,
 ) -> torch.Tensor:
     """In-place allreduce and wait (see ``allreduce``); returns ``tensor``."""
-    _checked(tensor, "allreduce_", "allreduce", name, process_set)
-    if tensor.is_cuda:
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:  # (checked by allreduce_async_)
         return allreduce_async_(tensor, name, op, prescale_factor, postscale_factor,
                                 process_set).wait()
+    _checked(tensor, "allreduce_", "allreduce", name, process_set)
     cpu, finish = _in_place_target(tensor)
     C.allreduce_(as_numpy(cpu), name, op, prescale_factor, postscale_factor, process_set)
     return finish(None)

@@ -69,9 +69,9 @@ def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer",
     frames, which come again and again; elsewhere a pooled block would stay idle).
     """
     if nbytes > _ONE_RECV_BYTES:
-        buf = frame_buffer(nbytes) if pooled else memoryview(bytearray(nbytes))
-        recv_into_exact(sock, buf, what)
-        return buf if pooled else buf.obj
+        buf = frame_buffer(nbytes) if pooled else bytearray(nbytes)
+        recv_into_exact(sock, memoryview(buf), what)
+        return buf
     try:
         # A small message usually comes in one recv: no buffer to fill and copy out.
         first = sock.recv(nbytes)
