@@ -331,8 +331,10 @@ def _start(kind: str, name: str | None, process_set: ProcessSet, build) -> Handl
     return engine.submit(entry)
 
 
-def _entry(key: str, built: tuple) -> Entry:
-    """An Entry from what a build function returned (see ``_start``)."""
+def _entry(key: str, built: tuple | Entry) -> Entry:
+    """An Entry from what a build function returned (see ``_start``; or the Entry)."""
+    if isinstance(built, Entry):
+        return built
     request, work, finish, *source = built
     entry = Entry(request, Handle(key), work, source=source[0] if source else None)
     if finish is not None:
@@ -542,8 +544,9 @@ def allreduce_many_async_(
 
 def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
                        process_set: ProcessSet, inplace: bool) -> list[Handle]:
-    """A grouped allreduce: its small tensors packed into one request, the others one by
-    one, all in one batch (see ``packing``)."""
+    """A grouped allreduce: its small tensors packed into one request, its large ones of
+    the same dtype riding on that request uncopied, the others one by one, all in one
+    batch (see ``packing``)."""
     members, base, keys = _group_names(m.ALLREDUCE, arrays, name, process_set)
     if not keys:
         return []  # nothing to send (the automatic name is used up on every rank alike)
@@ -554,24 +557,45 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
     packed = packing.plan(arrays, op, inplace)
     if packed is None:
         return _many(m.ALLREDUCE, keys, [build(a) for a in arrays], members)
-    in_pack = set(packed)
-    alone = [i for i in range(len(arrays)) if i not in in_pack]
-    layout = packing.layout_of(arrays, packed)
-    gathered = packing.gather(arrays, packed)
+    uncopied = packing.uncopied(arrays, packed, prescale)
+    on_pack = {*packed, *uncopied}
+    alone = [i for i in range(len(arrays)) if i not in on_pack]
+    layout = packing.layout_of(arrays, [*packed, *uncopied])
+    gathered = packing.gather(arrays, packed,
+                              arrays[uncopied[0]].dtype if uncopied else np.float32)
     pack_build = _allreduce_build(gathered, op, prescale, postscale, inplace=True)
+    outputs: dict[int, np.ndarray] = {}
 
     def build_pack(key: str, members):
-        if packed:  # a refused reduction names a packed tensor, not the internal key
+        if packed or uncopied:  # a refused reduction names a tensor, not the internal key
             check_reduction(gathered.dtype, ReduceOp(op), prescale, postscale,
-                            keys[packed[0]])
+                            keys[(packed or uncopied)[0]])
         request, work, _ = pack_build(key, members)
+
+        # The large tensors ride behind the packed array, where they lie (in place) or
+        # into fresh outputs; a non-contiguous one in a contiguous copy.
+        inputs = [_uncopied_input(arrays[i], keys[i], inplace) for i in uncopied]
+        copied = [(arrays[i], flat) for i, flat in zip(uncopied, inputs)
+                  if inplace and not arrays[i].flags.c_contiguous]
 
         def finish(result: np.ndarray) -> np.ndarray:
             if inplace:  # when the request completes, as any in-place allreduce
                 packing.scatter(result, arrays, packed)
+                for target, flat in copied:
+                    target[...] = flat.reshape(target.shape)
             return result
 
-        return dataclasses.replace(request, layout=layout), work, finish
+        if not uncopied:
+            return dataclasses.replace(request, layout=layout), work, finish
+        parts, sources = inputs, None
+        if not inplace:
+            sources, parts = inputs, [OUTPUTS.empty((p.size,), p.dtype) for p in inputs]
+            outputs.clear()
+            outputs.update(zip(uncopied, parts))
+        # The request's shape is the whole; it is never eager.
+        total = work.size + sum(p.size for p in parts)
+        request = dataclasses.replace(request, layout=layout, shape=(total,), payload=None)
+        return Entry(request, Handle(key), work, finish, parts=parts, part_sources=sources)
 
     pack_key = f"{base}.packed"
     handles = _many(m.ALLREDUCE, [pack_key, *(keys[i] for i in alone)],
@@ -588,10 +612,19 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
         handles = [report_failure(m.ALLREDUCE, key, exc, members) for key in names]
         return [h for h in handles if h is not None]
 
-    pack = packing.Pack(handles[0], arrays, packed, inplace, report, keys, settle)
+    pack = packing.Pack(handles[0], arrays, packed, inplace, report, keys, settle, uncopied,
+                        outputs)
     own = dict(zip(alone, handles[1:]))
     return [packing.GuardedHandle(own[i], pack) if i in own else
             packing.PartHandle(keys[i], pack, i) for i in range(len(arrays))]
+
+
+def _uncopied_input(array: np.ndarray, key: str, inplace: bool) -> np.ndarray:
+    """A large tensor of a grouped allreduce as its packed request reads it: flat, the
+    caller's memory when contiguous (in place the backend writes there too)."""
+    if inplace and not array.flags.writeable:
+        raise CollectiveArgumentError(f"allreduce_ {key!r}: the array is read-only")
+    return np.ascontiguousarray(array).reshape(-1)
 
 
 def grouped_allreduce_async(

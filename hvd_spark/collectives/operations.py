@@ -106,6 +106,10 @@ class Entry:
         submitted: ``time.monotonic()`` at submission.
         source: For an out-of-place allreduce, the caller's input (contiguous, shaped
             as ``array``); ``array`` is then uninitialised output that the backend fills.
+        parts: More flat arrays the backend reduces after ``array``, as if one array
+            with it (a grouped allreduce's large tensors, uncopied: see ``packing``).
+        part_sources: Out of place, the inputs of ``parts`` (parallel to them); the
+            parts are then uninitialised output.
     """
 
     request: Request
@@ -114,12 +118,36 @@ class Entry:
     finish: Callable[[np.ndarray], Any] = lambda a: a
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     source: np.ndarray | None = None
+    parts: list[np.ndarray] = dataclasses.field(default_factory=list)
+    part_sources: list[np.ndarray] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the backend reduces for this entry (``array`` and ``parts``)."""
+        return self.array.nbytes + sum(p.nbytes for p in self.parts)
+
+    def pieces(self) -> list[np.ndarray]:
+        """The flat arrays the backend writes, in order."""
+        return [self.array.reshape(-1), *self.parts]
+
+    def inputs(self) -> list[np.ndarray]:
+        """The flat arrays the backend reads first, parallel to ``pieces``."""
+        head = (self.source if self.source is not None else self.array).reshape(-1)
+        return [head, *(self.part_sources if self.part_sources is not None else self.parts)]
+
+    def reads_input(self) -> bool:
+        """Whether the input lies apart from the output (out of place)."""
+        return self.source is not None or self.part_sources is not None
 
     def materialize(self) -> None:
-        """Copy ``source`` into ``array`` (for paths that reduce in place)."""
+        """Copy the inputs into the outputs (for paths that reduce in place)."""
         if self.source is not None:
             np.copyto(self.array, self.source)
             self.source = None
+        if self.part_sources is not None:
+            for part, source in zip(self.parts, self.part_sources):
+                np.copyto(part, source)
+            self.part_sources = None
 
 
 def _finish_reduction(arr: np.ndarray, request: Request, size: int) -> None:
@@ -148,7 +176,7 @@ def run_allreduce(comm: Communicator, entries: list[Entry],
 
     ``trace(activity)`` marks the start of each phase (for the timeline).
     """
-    reads_source = comm.reads_source and any(e.source is not None for e in entries)
+    reads_source = comm.reads_source and any(e.reads_input() for e in entries)
     if entries[0].request.op == ops.ReduceOp.Adasum or not reads_source:
         for e in entries:
             e.materialize()
@@ -156,22 +184,23 @@ def run_allreduce(comm: Communicator, entries: list[Entry],
         trace("ADASUM_ALLREDUCE")
         return [run_adasum(comm, e) for e in entries]
 
-    def input_of(e: Entry) -> np.ndarray:
-        return (e.source if e.source is not None else e.array).reshape(-1)
-
-    small = [e for e in entries if e.array.nbytes < _PACK_BELOW_BYTES]
+    small = [e for e in entries if e.nbytes < _PACK_BELOW_BYTES]
     packed = None
-    big = [e for e in entries if e.array.nbytes >= _PACK_BELOW_BYTES]
-    pieces = [e.array.reshape(-1) for e in big]
-    inputs = [input_of(e) for e in big]
+    pieces: list[np.ndarray] = []
+    inputs: list[np.ndarray] = []
+    for e in entries:
+        if e.nbytes >= _PACK_BELOW_BYTES:
+            pieces += e.pieces()
+            inputs += e.inputs()
     if len(small) > 1:
         trace("MEMCPY_IN_FUSION_BUFFER")
-        packed = np.concatenate([input_of(e) for e in small])
+        packed = np.concatenate([e.inputs()[0] for e in small])
         pieces.append(packed)
         inputs.append(packed)
     else:
-        pieces += [e.array.reshape(-1) for e in small]
-        inputs += [input_of(e) for e in small]
+        for e in small:
+            pieces += e.pieces()
+            inputs += e.inputs()
     trace("RING_ALLREDUCE")
     first = entries[0].request
     op = ops.ReduceOp(first.op)
@@ -198,7 +227,8 @@ def run_allreduce(comm: Communicator, entries: list[Entry],
     results = []
     for e in entries:
         if not finished:
-            _finish_reduction(e.array, e.request, comm.size)
+            for piece in e.pieces():
+                _finish_reduction(piece, e.request, comm.size)
         results.append(e.finish(e.array))
     return results
 

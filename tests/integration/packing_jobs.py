@@ -16,7 +16,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def _group(seed: int, rank: int) -> list[np.ndarray]:
     """A mixed group: small float32 (packed), small float16 and int32 (not the most common
-    dtype: alone), two float32 over the packing limit (alone), a 0-d one and a strided view."""
+    dtype: alone), two float32 over the packing limit (on the packed request, uncopied), a
+    0-d one and a strided view."""
     rng = np.random.default_rng(seed * 10 + rank)
     small = [rng.standard_normal(s).astype(np.float32) for s in [(3,), (4, 5), (1,), (17,)] * 3]
     return [*small, rng.standard_normal(40).astype(np.float16),
@@ -140,3 +141,43 @@ def refused_packed_reduction() -> dict:
     hvd.shutdown()
     return {"error": error, "seconds": seconds, "after": [a.tolist() for a in after[1:]],
             "large": [float(a.sum()) for a in large]}
+
+
+def uncopied_large_tensors() -> dict:
+    """Large tensors of the packed dtype ride on the packed request (``packing.uncopied``):
+    a non-contiguous one, a read-only one out of place, one of another dtype (alone),
+    in place and out; a read-only one in place fails on every rank naming it; a rank
+    that joined contributes zeros to a group it never called."""
+    hvd.init()
+    r = hvd.rank()
+    engine = api._engine
+    base = np.arange(120000, dtype=np.float32).reshape(400, 300) * (r + 1)
+    read_only = np.full(30000, r + 1.0, np.float32)
+    read_only.flags.writeable = False
+    group = [np.full(10, r + 1.0, np.float32), base[:, ::2], read_only,
+             np.full(20000, r + 1.0)]  # 240 KB strided, 120 KB read-only, 160 KB float64
+    before = engine.executed_tensors
+    out = {"got": hvd.grouped_allreduce(group, name="out", op=hvd.Sum)}
+    out["ran"] = engine.executed_tensors - before
+    out["inputs_kept"] = (group[1].tobytes() == (np.arange(120000, dtype=np.float32)
+                                                 .reshape(400, 300) * (r + 1))[:, ::2].tobytes())
+    mine = [np.full(10, r + 1.0, np.float32), (np.arange(120000, dtype=np.float32)
+                                               .reshape(400, 300) * (r + 1))[:, ::2],
+            np.full((300, 100), r + 1.0, np.float32)]
+    same = hvd.grouped_allreduce_(mine, name="in", op=hvd.Average)
+    out["in_place"] = [a.copy() for a in mine]
+    out["same"] = all(x is y for x, y in zip(same, mine))
+    start = time.monotonic()
+    try:
+        hvd.grouped_allreduce_([np.ones(4, np.float32), read_only], name="ro", op=hvd.Sum)
+        out["read_only_error"] = None
+    except CollectiveError as exc:
+        out["read_only_error"] = str(exc)
+    out["read_only_seconds"] = time.monotonic() - start
+    if r == 0:  # rank 1 joins at once: it contributes zeros
+        alone = hvd.grouped_allreduce([np.full(3, 2.0, np.float32),
+                                       np.full(50000, 5.0, np.float32)], name="j", op=hvd.Sum)
+        out["alone"] = [a.tolist()[:3] + [float(a.sum())] for a in alone]
+    out["last_joined"] = hvd.join()
+    hvd.shutdown()
+    return out

@@ -47,8 +47,11 @@ def test_grouped_allreduce_packs_small_tensors_with_the_right_results(num_proc):
                 np.testing.assert_allclose(a.astype(np.float64), w, rtol=tol, atol=tol,
                                            err_msg=f"run {k} tensor {i}")
                 assert a.tobytes() == b.tobytes(), f"in place differs, run {k} tensor {i}"
-        # The 14 small float32 tensors travel as one: 18 tensors, 5 operations.
-        assert first["runs"][k]["ran"] == 5, first["runs"][k]["ran"]
+        # The 14 small float32 tensors travel as one, and the two large float32 ones ride
+        # on it uncopied (not with a prescale: they go alone, scaled in copies): 18
+        # tensors, 3 operations (5).
+        want_ran = 3 if run["pre"] == 1.0 else 5
+        assert first["runs"][k]["ran"] == want_ran, (k, first["runs"][k]["ran"])
 
 
 def test_groups_that_differ_between_ranks_fail_at_once_on_every_rank():
@@ -78,3 +81,28 @@ def test_a_refused_reduction_of_the_packed_tensors_names_a_tensor_of_the_group()
         assert res["seconds"] < 10, res["seconds"]
         assert res["after"] == [[True, True], [False]]
         assert res["large"] == [100000.0, 100000.0]
+
+
+def test_large_tensors_ride_on_the_packed_request_in_place_and_out():
+    results = run_local(jobs.uncopied_large_tensors, num_proc=2, env=ENV)
+    strided = (np.arange(120000, dtype=np.float32).reshape(400, 300) * 3)[:, ::2]
+    for r, res in enumerate(results):
+        small, big, read_only, f64 = res["got"]
+        np.testing.assert_array_equal(small, np.full(10, 3.0, np.float32))
+        assert big.shape == (400, 150) and big.dtype == np.float32
+        np.testing.assert_array_equal(big, strided)
+        np.testing.assert_array_equal(read_only, np.full(30000, 3.0, np.float32))
+        assert f64.dtype == np.float64
+        np.testing.assert_array_equal(f64, np.full(20000, 3.0))
+        # The float32 ones on one request; the float64 one alone.
+        assert res["ran"] == 2, res["ran"]
+        assert res["inputs_kept"]
+        assert res["same"]
+        want_in = [np.full(10, 1.5, np.float32), strided / 2, np.full((300, 100), 1.5)]
+        for got, want in zip(res["in_place"], want_in):
+            np.testing.assert_array_equal(got, want.astype(np.float32))
+        error = res["read_only_error"]
+        assert error is not None and "read-only" in error and "ro.1" in error, error
+        assert res["read_only_seconds"] < 10, res["read_only_seconds"]
+        assert res["last_joined"] in (0, 1)
+    assert results[0]["alone"] == [[2.0, 2.0, 2.0, 6.0], [5.0, 5.0, 5.0, 250000.0]]
