@@ -67,6 +67,30 @@ class CommunicatorContract:
             for p in pieces:
                 assert (p == want).all()
 
+    @pytest.mark.parametrize("n", [7, 300_001])
+    def test_allreduce_out_of_place_reads_the_inputs_and_leaves_them(self, comms, n):
+        """Backends that read a ``source`` write the reduction into uninitialised output
+        pieces and leave the inputs as they were (the others get the inputs copied in
+        first, as ``operations.run_allreduce`` does)."""
+
+        def body(c):
+            inputs = [np.arange(n, dtype=np.float64) * (c.rank + 1), np.full(70_000, c.rank + 1.0)]
+            kept = [a.copy() for a in inputs]
+            outputs = [np.full(a.size, np.nan) for a in inputs]
+            if c.reads_source:
+                c.allreduce(SegmentedBuffer(outputs), ops.Sum, source=SegmentedBuffer(inputs))
+            else:
+                for out, a in zip(outputs, inputs):
+                    out[...] = a
+                c.allreduce(SegmentedBuffer(outputs), ops.Sum)
+            return outputs, all((a == b).all() for a, b in zip(inputs, kept))
+
+        total = sum(range(1, self.size + 1))
+        for (big, small), kept in run_parallel(comms, body):
+            assert kept, "the inputs changed"
+            np.testing.assert_array_equal(big, np.arange(n, dtype=np.float64) * total)
+            np.testing.assert_array_equal(small, np.full(70_000, float(total)))
+
     @pytest.mark.parametrize("n", [1, 7, 300_001])
     def test_allreduce_finish_runs_once_per_element(self, comms, n):
         """Backends that take ``finish=`` finish every element once, on one rank, and

@@ -76,6 +76,17 @@ class TestTcpOnly(CommunicatorContract):
         return comms
 
 
+class TestTcpOnlyTwoRanks(CommunicatorContract):
+    """Two ranks over TCP: both ring directions share one socket, and every step of
+    64 KB or more sends and receives at once from the caller's thread (``duplex``);
+    the chunk is no multiple of the dtypes' sizes."""
+
+    size = 2
+
+    def make(self, size):
+        return make_tcp(size, use_shm=False, chunk_bytes=100_003)
+
+
 class TestTcpTwoRanks(CommunicatorContract):
     size = 2
 

@@ -86,7 +86,7 @@ def test_a_refused_reduction_of_the_packed_tensors_names_a_tensor_of_the_group()
 def test_large_tensors_ride_on_the_packed_request_in_place_and_out():
     results = run_local(jobs.uncopied_large_tensors, num_proc=2, env=ENV)
     strided = (np.arange(120000, dtype=np.float32).reshape(400, 300) * 3)[:, ::2]
-    for r, res in enumerate(results):
+    for res in results:
         small, big, read_only, f64 = res["got"]
         np.testing.assert_array_equal(small, np.full(10, 3.0, np.float32))
         assert big.shape == (400, 150) and big.dtype == np.float32

@@ -128,6 +128,16 @@ class TcpLink(Link):
             except BaseException as exc:  # noqa: BLE001 - re-raised in wait_sent
                 self._done.put(exc)
 
+    def idle(self) -> bool:
+        """True when no send is waiting in the sender thread."""
+        return self._outstanding == 0
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """This link's receive scratch, at least ``nbytes`` (its first ``nbytes``)."""
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch[:nbytes]
+
     def wait_sent(self) -> None:
         timeout = self.sock.gettimeout()
         while self._outstanding:
@@ -155,12 +165,11 @@ class TcpLink(Link):
                     bases: Sequence[np.ndarray] | None = None) -> None:
         nbytes = nbytes_of(views)
         self._recv_header(nbytes)
-        if self._scratch.nbytes < nbytes:
-            self._scratch = np.empty(nbytes, np.uint8)
-        wire.recv_into_exact(self.sock, memoryview(self._scratch[:nbytes]), self._what)
+        scratch = self.scratch(nbytes)
+        wire.recv_into_exact(self.sock, memoryview(scratch), self._what)
         offset = 0
         for i, view in enumerate(views):
-            incoming = self._scratch[offset : offset + view.nbytes].view(view.dtype)
+            incoming = scratch[offset : offset + view.nbytes].view(view.dtype)
             ops.reduce_into(view, incoming, op, None if bases is None else bases[i])
             offset += view.nbytes
 

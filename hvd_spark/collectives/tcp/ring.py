@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from hvd_spark.collectives import ops
-from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts, offsets
+from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts, nbytes_of, offsets
+from hvd_spark.collectives.tcp import duplex
 from hvd_spark.collectives.tcp.links import Link
 
 
@@ -31,6 +32,12 @@ def _exchange(
     """Send ``send_chunks`` while receiving ``recv_chunks`` (reducing when ``op``, onto
     ``base_chunks`` when given: ``recv = op(base, incoming)``)."""
     for i in range(max(len(send_chunks), len(recv_chunks))):
+        if (i < len(send_chunks) and i < len(recv_chunks)
+                and duplex.applies(send_link, nbytes_of(send_chunks[i]),
+                                   recv_link, nbytes_of(recv_chunks[i]))):
+            duplex.exchange(send_link, send_chunks[i], recv_link, recv_chunks[i], op,
+                            None if base_chunks is None else base_chunks[i])
+            continue
         if i < len(send_chunks):
             send_link.send(send_chunks[i])
         if i < len(recv_chunks):

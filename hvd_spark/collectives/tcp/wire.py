@@ -129,6 +129,26 @@ def wait_readable(socks: Sequence[socket.socket],
     return [by_fd[fd] for fd, _ in poller.poll(millis)]
 
 
+def wait_ready(readable: Sequence[socket.socket], writable: Sequence[socket.socket],
+               timeout: float | None) -> bool:
+    """Wait until one of ``readable`` can be read or one of ``writable`` written, at most
+    ``timeout`` seconds (None: no limit); False when the time ran out.
+
+    As ``wait_readable``: select(2) below descriptor 1024, poll(2) from there on.
+    """
+    socks = [*readable, *writable]
+    if all(sock.fileno() < _SELECT_FD_LIMIT for sock in socks):
+        ready = select.select(readable, writable, [], timeout)
+        return bool(ready[0] or ready[1])
+    poller = select.poll()
+    for sock in readable:
+        poller.register(sock, select.POLLIN)
+    for sock in writable:
+        poller.register(sock, select.POLLOUT | (select.POLLIN if sock in readable else 0))
+    millis = None if timeout is None else math.ceil(max(0.0, timeout) * 1000)
+    return bool(poller.poll(millis))
+
+
 def poll_readable(socks: list[socket.socket], spin_s: float) -> list[socket.socket]:
     """Poll ``socks`` for up to ``spin_s`` seconds; return those readable (empty when the
     time is up: the caller then blocks as usual).
