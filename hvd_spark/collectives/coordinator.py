@@ -76,9 +76,15 @@ def validate(name: str, requests: dict[int, Request], size: int) -> Response:
     layouts = {r: q.layout for r, q in requests.items()}
     if len(set(layouts.values())) > 1:  # before the dtype: a packed request's differs too
         shown = "; ".join(f"rank {r}: {packing.describe(v)}" for r, v in sorted(layouts.items()))
+        values = list(layouts.values())
+        if all(packing.same_tensors(values[0], v) for v in values[1:]):
+            why = ("the same dtypes and shapes, but not the same kinds of values: a tensor "
+                   "that is a numpy array on one rank is another value, or read-only in "
+                   "place, on another; pass numpy arrays alike on every rank")
+        else:
+            why = "every rank must pass the same dtypes and shapes, in the same order"
         return _error(first, name, f"grouped allreduce {name!r}: the ranks passed different "
-                      "groups of tensors (every rank must pass the same dtypes and shapes, in "
-                      f"the same order): {shown}")
+                      f"groups of tensors ({why}): {shown}")
     for field, what in (("kind", "operation"), ("dtype", "dtype"), ("members", "process set"),
                         ("device", "device (CPU or GPU)")):
         values = {r: getattr(q, field) for r, q in requests.items()}

@@ -67,6 +67,13 @@ def layout_of(arrays: Sequence[Any], members: Sequence[int] = ()) -> tuple[int, 
     return tuple(out)
 
 
+def same_tensors(first: tuple[int, ...] | None, second: tuple[int, ...] | None) -> bool:
+    """Whether two layouts list the same dtypes and shapes (they may still pack others)."""
+    if first is None or second is None:
+        return first == second
+    return first[1 + first[0]:] == second[1 + second[0]:]
+
+
 def describe(layout: tuple[int, ...] | None, limit: int = 6) -> str:
     """A layout as ``"3 tensors: float32[4, 2], float16[7], ...; packed: [0, 1]"`` for an
     error message."""
@@ -115,16 +122,16 @@ def plan(arrays: Sequence[Any], op: Any, inplace: bool) -> list[int] | None:
 def uncopied(arrays: Sequence[Any], packed: list[int], prescale: float) -> list[int]:
     """Which large tensors of a grouped allreduce join its packed request uncopied.
 
-    Numpy arrays of ``PACK_BELOW_BYTES`` or more of the packed tensors' dtype (of the most
-    common such dtype when none is packed): what the layout shows, so ranks whose layouts
-    agree choose alike (a rank's non-contiguous array travels in a contiguous copy, see
-    ``api``). None when a prescale would scale the caller's data before sending: they then
-    go alone, scaled in copies.
+    Numpy arrays (subclasses too: a memmap) of ``PACK_BELOW_BYTES`` or more of the packed
+    tensors' dtype (of the most common such dtype when none is packed): what the layout
+    shows, so ranks whose layouts agree choose alike (a rank's non-contiguous array travels
+    in a contiguous copy, see ``api``). None when a prescale would scale the caller's data
+    before sending: they then go alone, scaled in copies.
     """
     if prescale != 1.0:
         return []
     large = [(i, value.dtype) for i, value in enumerate(arrays)
-             if type(value) is np.ndarray and value.dtype in _CODES
+             if isinstance(value, np.ndarray) and value.dtype in _CODES
              and value.nbytes >= PACK_BELOW_BYTES]
     if not large:
         return []

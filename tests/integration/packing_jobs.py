@@ -143,6 +143,10 @@ def refused_packed_reduction() -> dict:
             "large": [float(a.sum()) for a in large]}
 
 
+class _Subclass(np.ndarray):
+    """An ndarray subclass (as np.memmap is)."""
+
+
 def uncopied_large_tensors() -> dict:
     """Large tensors of the packed dtype ride on the packed request (``packing.uncopied``):
     a non-contiguous one, a read-only one out of place, one of another dtype (alone),
@@ -174,7 +178,24 @@ def uncopied_large_tensors() -> dict:
     except CollectiveError as exc:
         out["read_only_error"] = str(exc)
     out["read_only_seconds"] = time.monotonic() - start
+    # An ndarray subclass on one rank, a plain array on the other: both ride uncopied.
+    large = np.full(50000, r + 1.0, np.float32)
+    subclassed = hvd.grouped_allreduce([np.ones(2, np.float32),
+                                        large.view(_Subclass) if r == 0 else large],
+                                       name="sub", op=hvd.Sum)
+    out["subclass"] = [float(a.sum()) for a in subclassed]
+    # The same dtypes and shapes, but a numpy scalar on one rank where the other passes an
+    # array: packed on one rank only. Both fail at once, told why.
+    start = time.monotonic()
+    kinds = [np.float32(2.0) if r == 0 else np.array(2.0, np.float32), np.ones(3, np.float32)]
+    try:
+        hvd.grouped_allreduce(kinds, name="kinds", op=hvd.Sum)
+        out["kinds_error"] = None
+    except CollectiveError as exc:
+        out["kinds_error"] = str(exc)
+    out["kinds_seconds"] = time.monotonic() - start
     if r == 0:  # rank 1 joins at once: it contributes zeros
+
         alone = hvd.grouped_allreduce([np.full(3, 2.0, np.float32),
                                        np.full(50000, 5.0, np.float32)], name="j", op=hvd.Sum)
         out["alone"] = [a.tolist()[:3] + [float(a.sum())] for a in alone]

@@ -104,5 +104,9 @@ def test_large_tensors_ride_on_the_packed_request_in_place_and_out():
         error = res["read_only_error"]
         assert error is not None and "read-only" in error and "ro.1" in error, error
         assert res["read_only_seconds"] < 10, res["read_only_seconds"]
+        assert res["subclass"] == [4.0, 150000.0]
+        error = res["kinds_error"]
+        assert error is not None and "not the same kinds of values" in error, error
+        assert res["kinds_seconds"] < 10, res["kinds_seconds"]
         assert res["last_joined"] in (0, 1)
     assert results[0]["alone"] == [[2.0, 2.0, 2.0, 6.0], [5.0, 5.0, 5.0, 250000.0]]

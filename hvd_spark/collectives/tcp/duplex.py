@@ -153,11 +153,11 @@ def exchange(send_link: TcpLink, send_views: Sequence[np.ndarray], recv_link: Tc
     out = _Outgoing(send_link, send_views)
     inc = _Incoming(recv_link, recv_views, op, bases)
     ssock, rsock = send_link.sock, recv_link.sock
-    timeout = ssock.gettimeout()
-    socks = {ssock, rsock}
-    for sock in socks:
-        sock.setblocking(False)
+    timeouts = {sock: sock.gettimeout() for sock in (ssock, rsock)}
+    timeout = max((t for t in timeouts.values() if t is not None), default=None)
     try:
+        for sock in timeouts:
+            sock.setblocking(False)
         while not (out.done() and inc.done()):
             moved = (not out.done() and out.send_some(ssock))
             moved = (not inc.done() and inc.recv_some(rsock)) or moved
@@ -166,12 +166,12 @@ def exchange(send_link: TcpLink, send_views: Sequence[np.ndarray], recv_link: Tc
             readable = [rsock] if not inc.done() else []
             writable = [ssock] if not out.done() else []
             if not wire.wait_ready(readable, writable, timeout):
-                waiting = recv_link.peer if readable else send_link.peer
+                waiting = sorted(({recv_link.peer} if readable else set())
+                                 | ({send_link.peer} if writable else set()))
                 raise CollectiveTimeoutError(
-                    f"no progress with rank {waiting} within {timeout} s; it may be stalled "
-                    "or dead (raise HVD_SPARK_TIMEOUT if it is just slow)")
+                    f"no progress with rank {' or '.join(map(str, waiting))} within "
+                    f"{timeout} s; it may be stalled or dead (raise HVD_SPARK_TIMEOUT if it "
+                    "is just slow)")
     finally:
-        for sock in socks:
-            sock.settimeout(timeout)
-
-
+        for sock, value in timeouts.items():
+            sock.settimeout(value)
