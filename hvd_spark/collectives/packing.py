@@ -113,10 +113,15 @@ def plan(arrays: Sequence[Any], op: Any, inplace: bool) -> list[int] | None:
              if (arr := packable(value, inplace)) is not None]
     if not small:
         return []
-    counts = collections.Counter(dtype for _, dtype in small)
-    best = max(counts.values())
-    dtype = next(d for _, d in small if counts[d] == best)
+    dtype = _most_common([d for _, d in small])
     return [i for i, d in small if d == dtype]
+
+
+def _most_common(dtypes: list[Any]) -> Any:
+    """The most common of ``dtypes`` (the first on a tie: the same on every rank)."""
+    counts = collections.Counter(dtypes)
+    best = max(counts.values())
+    return next(d for d in dtypes if counts[d] == best)
 
 
 def uncopied(arrays: Sequence[Any], packed: list[int], prescale: float) -> list[int]:
@@ -135,11 +140,7 @@ def uncopied(arrays: Sequence[Any], packed: list[int], prescale: float) -> list[
              and value.nbytes >= PACK_BELOW_BYTES]
     if not large:
         return []
-    if packed:
-        dtype = arrays[packed[0]].dtype
-    else:
-        counts = collections.Counter(d for _, d in large)
-        dtype = next(d for _, d in large if counts[d] == max(counts.values()))
+    dtype = arrays[packed[0]].dtype if packed else _most_common([d for _, d in large])
     return [i for i, d in large if d == dtype]
 
 

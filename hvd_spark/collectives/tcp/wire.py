@@ -120,10 +120,18 @@ def wait_readable(socks: Sequence[socket.socket],
             break
     else:
         return select.select(socks, [], [], timeout)[0]
+    return _poll(socks, (), timeout)
+
+
+def _poll(readable: Sequence[socket.socket], writable: Sequence[socket.socket],
+          timeout: float | None) -> list[socket.socket]:
+    """poll(2) for descriptors select(2) cannot take: the sockets that are ready."""
     poller = select.poll()
     by_fd = {}
-    for sock in socks:
-        poller.register(sock, select.POLLIN)
+    for sock in [*readable, *writable]:
+        events = (select.POLLIN if sock in readable else 0) | (
+            select.POLLOUT if sock in writable else 0)
+        poller.register(sock, events)
         by_fd[sock.fileno()] = sock
     millis = None if timeout is None else math.ceil(max(0.0, timeout) * 1000)
     return [by_fd[fd] for fd, _ in poller.poll(millis)]
@@ -136,17 +144,10 @@ def wait_ready(readable: Sequence[socket.socket], writable: Sequence[socket.sock
 
     As ``wait_readable``: select(2) below descriptor 1024, poll(2) from there on.
     """
-    socks = [*readable, *writable]
-    if all(sock.fileno() < _SELECT_FD_LIMIT for sock in socks):
+    if all(sock.fileno() < _SELECT_FD_LIMIT for sock in [*readable, *writable]):
         ready = select.select(readable, writable, [], timeout)
         return bool(ready[0] or ready[1])
-    poller = select.poll()
-    for sock in readable:
-        poller.register(sock, select.POLLIN)
-    for sock in writable:
-        poller.register(sock, select.POLLOUT | (select.POLLIN if sock in readable else 0))
-    millis = None if timeout is None else math.ceil(max(0.0, timeout) * 1000)
-    return bool(poller.poll(millis))
+    return bool(_poll(readable, writable, timeout))
 
 
 def poll_readable(socks: list[socket.socket], spin_s: float) -> list[socket.socket]:
