@@ -139,6 +139,9 @@ def _resnet_case(hvd, gloo, reduce_max) -> dict:
     # Their ratio is a target: alternate short blocks of each, take each one's median
     # (one block of each swung the ratio from 0.8 to 1.7 on this shared machine).
     paths = {"hvd_grouped": grouped, "hvd_flat": flat_one, "hvd_each": each}
+    torch_grouped = _torch_grouped(shapes)
+    if torch_grouped is not None:
+        paths["torch_grouped"] = torch_grouped
     blocks: dict[str, list[float]] = {key: [] for key in paths}
     for _ in range(5):
         for key, path in paths.items():
@@ -203,6 +206,18 @@ def _busbw(nbytes: int, seconds: float, n: int) -> float:
     return 2 * (n - 1) / n * nbytes / seconds / 1e9 if n > 1 else nbytes / seconds / 1e9
 
 
+def _torch_grouped(shapes):
+    """``hvd_spark.torch.grouped_allreduce_`` of CPU tensors (None without torch)."""
+    try:
+        import torch
+
+        import hvd_spark.torch as hvd_torch
+    except ImportError:
+        return None
+    tensors = [torch.zeros(s) for s in shapes]
+    return lambda: hvd_torch.grouped_allreduce_(tensors, name="bench.torch", op=hvd_torch.Sum)
+
+
 def format_table(result: dict, mpi_rows: list[dict], mpi_desc: str) -> str:
     """Render the nccl-tests-like table with ratios against each peer."""
     n = result["size"]
@@ -226,6 +241,7 @@ def format_table(result: dict, mpi_rows: list[dict], mpi_desc: str) -> str:
         for key, label in (("hvd_grouped", "hvd_spark grouped (fused) allreduce"),
                            ("hvd_flat", "hvd_spark one flat buffer"),
                            ("hvd_each", "hvd_spark async, one call per tensor"),
+                           ("torch_grouped", "hvd_spark.torch grouped_allreduce_"),
                            ("gloo_each", "Gloo one tensor at a time"),
                            ("gloo_flat", "Gloo one flat buffer")):
             if key in res:

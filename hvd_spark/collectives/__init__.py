@@ -46,6 +46,7 @@ from hvd_spark.collectives.api import (
     reducescatter_async,
     remove_process_set,
     report_failure,
+    report_grouped_failure,
     shutdown,
     size,
     start_timeline,
@@ -83,6 +84,6 @@ __all__ = [
     "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set",
-    "report_failure", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
-    "synchronize",
+    "report_failure", "report_grouped_failure", "rocm_built", "shutdown", "size",
+    "start_timeline", "stop_timeline", "synchronize",
 ]

@@ -597,7 +597,7 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
         request = dataclasses.replace(request, layout=layout, shape=(total,), payload=None)
         return Entry(request, Handle(key), work, finish, parts=parts, part_sources=sources)
 
-    pack_key = f"{base}.packed"
+    pack_key = _pack_key(base)
     handles = _many(m.ALLREDUCE, [pack_key, *(keys[i] for i in alone)],
                     [build_pack, *(build(arrays[i]) for i in alone)], members,
                     fail_keys=[pack_key, *keys])
@@ -617,6 +617,27 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
     own = dict(zip(alone, handles[1:]))
     return [packing.GuardedHandle(own[i], pack) if i in own else
             packing.PartHandle(keys[i], pack, i) for i in range(len(arrays))]
+
+
+def _pack_key(base: str) -> str:
+    """The name of a grouped allreduce's packed request."""
+    return f"{base}.packed"
+
+
+def report_grouped_failure(kind: str, count: int, name: str | None, exc: BaseException,
+                           process_set: ProcessSet = global_process_set) -> None:
+    """Tell the other ranks that this rank refused a grouped call of ``count`` tensors.
+
+    For a framework that checks its tensors before handing them to the grouped call:
+    the other ranks' copy fails with this rank's reason (whichever of its requests they
+    sent: the packed one or a tensor's own) instead of waiting, and the automatic name is
+    used up here as there.
+    """
+    members, base, keys = _group_names(kind, range(count), name, process_set)
+    if kind == m.ALLREDUCE:
+        keys = [_pack_key(base), *keys]
+    for key in keys:
+        report_failure(kind, key, exc, members)
 
 
 def _uncopied_input(array: np.ndarray, key: str, inplace: bool) -> np.ndarray:

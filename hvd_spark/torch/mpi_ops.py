@@ -122,8 +122,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
         process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce several tensors as one fused operation; differentiable."""
     op = resolve_op(average, op)
-    for t in tensors:
-        T.check_tensor(t, "grouped_allreduce", name)
+    T.check_grouped_allreduce(tensors, name, process_set)
     packed = [compression.compress(t) for t in tensors]
     wires = [w for w, _ in packed]
     if any(_wants_grad(t) for t in tensors):

@@ -233,9 +233,13 @@ def allreduce_many_async_(
     return [TorchHandle([h], _single(finish)) for h, (_, finish) in zip(handles, targets)]
 
 
-def _group_base(kind: str, tensors: Any, name: str | None) -> str:
+def _check_group(kind: str, tensors: Any) -> None:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise ConfigError(f"grouped_{kind} expects a list of tensors")
+
+
+def _group_base(kind: str, tensors: Any, name: str | None) -> str:
+    _check_group(kind, tensors)
     return name if name is not None else f"grouped_{kind}.noname.{next(_group_names)}"
 
 
@@ -244,13 +248,52 @@ def grouped_allreduce_async(
     prescale_factor: float = 1.0, postscale_factor: float = 1.0, in_place: bool = False,
     process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
-    """Start allreduces of several tensors that the engine fuses; one handle for all."""
+    """Start allreduces of several tensors that the engine fuses; one handle for all.
+
+    CPU tensors go through the numpy grouped call: one packed request for the group (see
+    ``collectives.packing``). A group with a CUDA tensor goes tensor by tensor.
+    """
+    _check_group("allreduce", tensors)
+    if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+        return _grouped_allreduce_host(tensors, name, op, prescale_factor, postscale_factor,
+                                       in_place, process_set)
     base = _group_base("allreduce", tensors, name)
     start = allreduce_async_ if in_place else allreduce_async
     parts = [start(t, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set)
              for i, t in enumerate(tensors)]
     inner = [h for p in parts for h in p.inner]
     return TorchHandle(inner, lambda _: [p.wait() for p in parts])
+
+
+def check_grouped_allreduce(tensors: Sequence[Any], name: str | None,
+                            process_set: C.ProcessSet = _GLOBAL) -> None:
+    """``check_tensor`` for each tensor of a grouped allreduce; a failure is also reported
+    to the other ranks (as the grouped call's, so theirs fails at once instead of waiting)."""
+    _check_group("allreduce", tensors)
+    try:
+        for i, tensor in enumerate(tensors):
+            check_tensor(tensor, "grouped_allreduce", f"{name or 'grouped_allreduce'}[{i}]")
+    except ConfigError as exc:
+        if C.is_initialized() and (process_set is _GLOBAL or process_set.included()):
+            C.report_grouped_failure("allreduce", len(tensors), name, exc, process_set)
+        raise
+
+
+def _grouped_allreduce_host(
+    tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp, prescale_factor: float,
+    postscale_factor: float, in_place: bool, process_set: C.ProcessSet,
+) -> TorchHandle:
+    """A grouped allreduce of CPU tensors as the numpy API's single grouped call."""
+    check_grouped_allreduce(tensors, name, process_set)
+    if in_place:
+        targets = [_in_place_target(t) for t in tensors]
+        handles = C.grouped_allreduce_async_([as_numpy(cpu) for cpu, _ in targets], name, op,
+                                             prescale_factor, postscale_factor, process_set)
+        return TorchHandle(handles, lambda _: [finish(None) for _, finish in targets])
+    handles = C.grouped_allreduce_async([as_numpy(t) for t in tensors], name, op,
+                                        prescale_factor, postscale_factor, process_set)
+    return TorchHandle(handles, lambda results: [from_numpy(r, t.device)
+                                                 for r, t in zip(results, tensors)])
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None,
