@@ -12,6 +12,9 @@ global batch:
   ring on 127.0.0.1), the same global batch split by the strategy; Keras 3.15 needs
   a patch for this (see ``mwms_patch``), and the output says so.
 - ``single``: one process fitting the global batch with ``np * threads`` threads.
+- ``alone``: ``--np`` processes at once, each fitting ``global/np`` rows with a plain
+  optimizer and no communication at all: the ceiling of any data-parallel library on
+  this machine (the ranks still share its cores and memory bandwidth).
 
 Samples/s count global samples over the timed steps (after ``--warmup`` steps); the
 modes run in turn ``--rounds`` times and each keeps its best round.
@@ -28,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-MODES = ("hvd_spark", "mwms", "single")
+MODES = ("hvd_spark", "mwms", "single", "alone")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -102,7 +105,7 @@ def _worker(mode: str, models: list[str], global_batch: int, steps: int, warmup:
 
         hvd.init()
     size = len(ports) if mode != "single" else 1
-    local_batch = global_batch if mode != "hvd_spark" else global_batch // size
+    local_batch = global_batch // size if mode in ("hvd_spark", "alone") else global_batch
     out: dict[str, Any] = {"rank": rank, "params": {}, "samples_per_s": {}}
     for kind in models:
         scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
@@ -206,7 +209,7 @@ def _print_table(results: dict[str, dict], models: list[str]) -> None:
         for mode, res in results.items():
             rate = res["samples_per_s"][kind]
             ratio = {}
-            for other in ("mwms", "single"):
+            for other in ("mwms", "single"):  # (alone is a ceiling, not a peer)
                 base = results.get(other, {}).get("samples_per_s", {}).get(kind)
                 ratio[other] = f"{rate / base:.2f}x" if base else "-"
             print(f"{kind:6s} {res['params'][kind] / 1e6:7.1f}M {mode:10s} {rate:10.1f} "

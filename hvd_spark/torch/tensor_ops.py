@@ -290,7 +290,7 @@ def _grouped_allreduce_host(
         handles = C.grouped_allreduce_async_([as_numpy(cpu) for cpu, _ in targets], name, op,
                                              prescale_factor, postscale_factor, process_set)
         return TorchHandle(handles, lambda _: [finish(None) for _, finish in targets])
-    handles = C.grouped_allreduce_async([as_numpy(t) for t in tensors], name, op,
+    handles = C.grouped_allreduce_async([as_numpy(_cpu(t)) for t in tensors], name, op,
                                         prescale_factor, postscale_factor, process_set)
     return TorchHandle(handles, lambda results: [from_numpy(r, t.device)
                                                  for r, t in zip(results, tensors)])
