@@ -1,7 +1,7 @@
 """Small-message allreduce latency: the MPI backend vs the TCP/shared-memory backend.
 
 ``python -m hvd_spark.bench latency [-np 2] [--sizes 1K,4K,64K] [--rounds 3]
-[--frameworks out_of_place,torch,tf,tf_function]`` alternates,
+[--frameworks out_of_place,torch,tf,tf_function,tf_floor]`` alternates,
 round by round, a job under ``hvdrun`` (TCP backend, shared memory between local ranks)
 and one under ``hvdrun --mpi``; inside the MPI job, raw ``MPI_Allreduce`` (mpi4py) is
 timed in the same processes, alternating with ours, as the floor. Each figure is the
@@ -25,8 +25,9 @@ from hvd_spark.bench.allreduce import parse_size
 
 _MARK = "LATENCY_JSON "
 # Timed besides numpy in place: numpy out of place (``allreduce(x)``: a fresh output per
-# call), torch, TensorFlow eager, TensorFlow inside tf.function.
-_FRAMEWORKS = ("out_of_place", "torch", "tf", "tf_function")
+# call), torch, TensorFlow eager, TensorFlow inside tf.function, and a tf.function that
+# computes ``v + 1`` with no collective at all (TensorFlow's own cost of calling one).
+_FRAMEWORKS = ("out_of_place", "torch", "tf", "tf_function", "tf_floor")
 
 
 def _mean_time(fn, iters: int) -> float:
@@ -58,6 +59,9 @@ def _framework_call(framework: str, count: int):
     t = tf.ones([count])
     if framework == "tf":
         return lambda: tfh.allreduce(t, op=tfh.Sum)
+    if framework == "tf_floor":
+        plus_one = tf.function(lambda v: v + 1)
+        return lambda: plus_one(t)
     graph = tf.function(lambda v: tfh.allreduce(v, op=tfh.Sum))
     return lambda: graph(t)
 

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import pickle
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -274,14 +275,30 @@ def auto_name(kind: str, name: str | None, process_set: ProcessSet = global_proc
     the same user name may be used in several sets.
     """
     ps_id = process_set.process_set_id or 0
-    if name is None:
-        # One counter per (set, kind): ranks that ran different numbers of one kind of
-        # operation (a rank-dependent branch) still agree on the names of the others.
-        counter = _names.get((ps_id, kind))
-        if counter is None:
-            counter = _names[(ps_id, kind)] = itertools.count()
-        name = f"{kind}.noname.{next(counter)}"
+    name = _numbered(kind, name, ps_id)
     return name if ps_id == 0 else f"ps{ps_id}/{name}"
+
+
+def group_base_name(kind: str, name: str | None,
+                    process_set: ProcessSet = global_process_set) -> str:
+    """The base name of a grouped ``kind`` call that a framework submits tensor by tensor
+    (as ``<base>.<i>``, each call adding the process set's namespace itself).
+
+    It takes the same automatic number as the numpy grouped call would, so unnamed groups
+    of both kinds never share a name.
+    """
+    return _numbered(f"grouped_{kind}", name, process_set.process_set_id or 0)
+
+
+def _numbered(kind: str, name: str | None, ps_id: int) -> str:
+    if name is not None:
+        return name
+    # One counter per (set, kind): ranks that ran different numbers of one kind of
+    # operation (a rank-dependent branch) still agree on the names of the others.
+    counter = _names.get((ps_id, kind))
+    if counter is None:
+        counter = _names[(ps_id, kind)] = itertools.count()
+    return f"{kind}.noname.{next(counter)}"
 
 
 def report_failure(kind: str, key: str, exc: BaseException,
@@ -360,6 +377,11 @@ def synchronize(handle: Handle) -> Any:
 
 def poll(handle: Handle) -> bool:
     """True when the async operation has finished."""
+    if handle.done():
+        return True
+    # A caller polling in a tight loop would hold the GIL that the engine's threads need
+    # to finish the operation (each wait for it up to the 5 ms switch interval).
+    time.sleep(0)
     return handle.done()
 
 
@@ -653,8 +675,7 @@ def grouped_allreduce_async(
     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[Handle]:
-    """Start allreduces of several arrays as one fused batch; results are new arrays
-    (those of the small ones views of one packed array)."""
+    """Start allreduces of several arrays as one fused batch; results are new arrays."""
     return _grouped_allreduce(arrays, name, op, prescale_factor, postscale_factor,
                               process_set, inplace=False)
 

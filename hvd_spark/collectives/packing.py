@@ -233,8 +233,9 @@ class Pack:
     def part(self, index: int, timeout: float, waited: float | None = None) -> np.ndarray:
         """Tensor ``index``'s result: the caller's own array (in place: the packed
         request's finish wrote it back, see ``scatter``, or the backend reduced it there),
-        its own output (uncopied, out of place), or a view of the packed result shaped as
-        the input."""
+        its own output (uncopied, out of place), or a copy of its slice of the packed
+        result shaped as the input (a view would keep the whole packed array alive as long
+        as the caller keeps any one small result)."""
         packed = self.result(timeout, waited)
         target = self._arrays[index]
         if self._inplace:
@@ -242,7 +243,7 @@ class Pack:
         if index in self._outputs:
             return self._outputs[index].reshape(np.shape(target))
         offset, size = self.slots[index]
-        return packed[offset : offset + size].reshape(np.shape(target))
+        return packed[offset : offset + size].reshape(np.shape(target)).copy()
 
 
 class PartHandle(Handle):

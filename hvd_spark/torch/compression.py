@@ -41,7 +41,8 @@ class _CastCompressor(Compressor):
     @classmethod
     def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if tensor.is_floating_point() and tensor.dtype != cls.wire_dtype:
-            return tensor.detach().to(cls.wire_dtype), tensor.dtype
+            # ``to`` is differentiable: a compressed allreduce keeps its gradient (Horovod's too).
+            return tensor.to(cls.wire_dtype), tensor.dtype
         return tensor, None
 
     @staticmethod

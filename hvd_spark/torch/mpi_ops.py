@@ -152,7 +152,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
         process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce several tensors in place as one fused operation."""
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                    postscale_factor).wait()
+                                    postscale_factor, process_set).wait()
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,

@@ -11,7 +11,7 @@ pure-Python engine reduces on the CPU (an NCCL backend would avoid the copies).
 
 from __future__ import annotations
 
-import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,8 +22,13 @@ from hvd_spark import collectives as C
 from hvd_spark.collectives.ops import BFLOAT16, ReduceOp
 from hvd_spark.errors import ConfigError
 
-_UNSUPPORTED = (torch.complex64, torch.complex128)
-_group_names = itertools.count()
+_COMPLEX = (torch.complex32, torch.complex64, torch.complex128)
+# What travels: the dtypes with a numpy counterpart (bfloat16 through ml_dtypes).
+_SUPPORTED = frozenset({
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.uint8,
+    torch.int8, torch.int16, torch.int32, torch.int64,
+    *(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)),
+})
 
 
 def check_tensor(tensor: Any, what: str, name: str | None) -> torch.Tensor:
@@ -36,11 +41,26 @@ def check_tensor(tensor: Any, what: str, name: str | None) -> torch.Tensor:
         )
     if tensor.layout != torch.strided:
         raise ConfigError(f"{label}: {tensor.layout} tensors are not supported; call .to_dense()")
-    if tensor.dtype in _UNSUPPORTED:
+    if tensor.dtype in _COMPLEX:
         raise ConfigError(
             f"{label}: dtype {tensor.dtype} is not supported; send torch.view_as_real(t) instead"
         )
+    if tensor.is_quantized:
+        raise ConfigError(f"{label}: quantized tensors are not supported; send "
+                          "t.dequantize() instead")
+    if tensor.dtype not in _SUPPORTED:
+        raise ConfigError(f"{label}: dtype {tensor.dtype} is not supported; cast it first "
+                          f"(e.g. t.float()); supported: {_supported_names()}")
+    if tensor.device.type == "meta":
+        raise ConfigError(f"{label}: a meta tensor has no data to send; materialize it first")
+    if tensor.is_neg() or tensor.is_conj():
+        raise ConfigError(f"{label}: the tensor is a lazy negated/conjugated view; pass "
+                          "t.resolve_neg() (or t.resolve_conj()) instead")
     return tensor
+
+
+def _supported_names() -> str:
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in _SUPPORTED))
 
 
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -105,6 +125,9 @@ def synchronize(handle: TorchHandle) -> Any:
 
 def poll(handle: TorchHandle) -> bool:
     """True when the async operation finished (``synchronize`` then returns at once)."""
+    if handle.done():
+        return True
+    time.sleep(0)  # let the engine's threads take the GIL (see ``collectives.poll``)
     return handle.done()
 
 
@@ -238,9 +261,11 @@ def _check_group(kind: str, tensors: Any) -> None:
         raise ConfigError(f"grouped_{kind} expects a list of tensors")
 
 
-def _group_base(kind: str, tensors: Any, name: str | None) -> str:
+def _group_base(kind: str, tensors: Any, name: str | None, process_set: C.ProcessSet) -> str:
+    """A group's base name for its tensors' own calls (``<base>.<i>``), numbered as the
+    numpy grouped calls are (so unnamed groups of the two never share a name)."""
     _check_group(kind, tensors)
-    return name if name is not None else f"grouped_{kind}.noname.{next(_group_names)}"
+    return C.group_base_name(kind, name, process_set)
 
 
 def grouped_allreduce_async(
@@ -257,7 +282,7 @@ def grouped_allreduce_async(
     if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         return _grouped_allreduce_host(tensors, name, op, prescale_factor, postscale_factor,
                                        in_place, process_set)
-    base = _group_base("allreduce", tensors, name)
+    base = _group_base("allreduce", tensors, name, process_set)
     start = allreduce_async_ if in_place else allreduce_async
     parts = [start(t, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set)
              for i, t in enumerate(tensors)]
@@ -312,7 +337,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None,
                             process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start allgathers of several tensors; one handle whose result is a list."""
-    base = _group_base("allgather", tensors, name)
+    base = _group_base("allgather", tensors, name, process_set)
     parts = [allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)]
     return TorchHandle([h for p in parts for h in p.inner], lambda _: [p.wait() for p in parts])
 
@@ -380,7 +405,7 @@ def grouped_reducescatter_async(
     process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start reduce-scatters of several tensors; one handle whose result is a list."""
-    base = _group_base("reducescatter", tensors, name)
+    base = _group_base("reducescatter", tensors, name, process_set)
     parts = [reducescatter_async(t, f"{base}.{i}", op, prescale_factor, postscale_factor,
                                  process_set) for i, t in enumerate(tensors)]
     return TorchHandle([h for p in parts for h in p.inner], lambda _: [p.wait() for p in parts])

@@ -42,6 +42,9 @@ def grouped_results(steps: int) -> dict:
             before = engine.executed_tensors
             got = hvd.grouped_allreduce(inputs, op=op, prescale_factor=pre, postscale_factor=post)
             ran = engine.executed_tensors - before
+            # The packed ones' results own their memory: keeping one small result must not
+            # keep the whole packed array alive.
+            assert all(g.flags.owndata for g in got[:12]), [g.flags.owndata for g in got]
             mine = [a.copy() for a in inputs]
             same = hvd.grouped_allreduce_(mine, name=f"inplace.{step}", op=op,
                                           prescale_factor=pre, postscale_factor=post)

@@ -97,6 +97,57 @@ def _bad_tensor_on_one_rank() -> str:
     raise AssertionError("a complex tensor in the group was accepted")
 
 
+def _names_and_sets() -> dict:
+    import numpy as np
+
+    import hvd_spark.collectives as C
+    import hvd_spark.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    # Unnamed groups of torch (CPU and tensor by tensor: allgather) and of numpy in flight
+    # at once take distinct automatic names on every rank.
+    handles = [hvd.grouped_allreduce_async([torch.ones(3) * r], op=hvd.Sum),
+               hvd.grouped_allgather_async([torch.ones(1, 2) * r]),
+               C.grouped_allreduce_async([np.ones(2) * r], op=C.Sum)]
+    torch_sum, gathered = hvd.synchronize(handles[0]), hvd.synchronize(handles[1])
+    numpy_sum = C.synchronize(handles[2][0])
+    assert torch.equal(torch_sum[0], torch.ones(3)) and numpy_sum.tolist() == [1.0, 1.0]
+    assert torch.equal(gathered[0], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    # A process set reaches the in-place grouped call (rank 1 meanwhile waits in a barrier).
+    alone = hvd.add_process_set([0])
+    if r == 0:
+        t = torch.full((3,), 5.0)
+        hvd.grouped_allreduce_([t], op=hvd.Sum, process_set=alone)
+        assert torch.equal(t, torch.full((3,), 5.0))
+    hvd.barrier()
+    # A compressed allreduce keeps its gradient, as Horovod's does.
+    x = torch.ones(3, requires_grad=True)
+    y = hvd.allreduce(x * (r + 1), op=hvd.Sum, compression=hvd.Compression.fp16)
+    z = hvd.grouped_allreduce([x * 2], op=hvd.Sum, compression=hvd.Compression.fp16)[0]
+    (y.sum() + z.sum()).backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0 * (r + 1) + 4.0)), x.grad
+    # The small results are copies, not neighbouring views of the packed array (keeping
+    # one would keep the whole array alive; packing_jobs checks numpy's ownership flags).
+    outs = hvd.grouped_allreduce([torch.ones(4), torch.ones(5)], op=hvd.Sum)
+    return {"owned": [outs[1].data_ptr() != outs[0].data_ptr() + outs[0].nbytes]}
+
+
+def _unsendable_dtype_on_one_rank(dtype_name: str) -> str:
+    import hvd_spark.torch as hvd
+    from hvd_spark.errors import HvdSparkError
+
+    hvd.init()
+    odd = torch.zeros(2, dtype=getattr(torch, dtype_name)) if hvd.rank() == 1 else torch.zeros(2)
+    try:
+        hvd.grouped_allreduce([torch.ones(3), odd])
+    except HvdSparkError as exc:
+        again = hvd.grouped_allreduce([torch.ones(3) * hvd.rank()], op=hvd.Sum)
+        assert torch.equal(again[0], torch.ones(3))  # automatic names still aligned
+        return str(exc)
+    raise AssertionError(f"a {dtype_name} tensor in the group was accepted")
+
+
 def test_a_cpu_group_is_one_request_with_right_results():
     for out in run_local(_grouped_one_request, num_proc=2):
         # The packed request (12 small + 2 large float32, the 0-d and the one needing a
@@ -109,3 +160,16 @@ def test_a_bad_tensor_fails_every_rank_at_once(num_proc):
     messages = run_local(_bad_tensor_on_one_rank, num_proc=num_proc)
     for msg in messages:
         assert "complex64" in msg and "view_as_real" in msg, msg
+
+
+def test_names_process_sets_and_compressed_gradients():
+    for out in run_local(_names_and_sets, num_proc=2, env={"HVD_SPARK_TIMEOUT": "20"}):
+        assert all(out["owned"]), out
+
+
+@pytest.mark.parametrize("dtype_name", ["complex32", "float8_e4m3fn"])
+def test_a_dtype_numpy_cannot_hold_fails_every_rank_clearly(dtype_name):
+    messages = run_local(_unsendable_dtype_on_one_rank, args=(dtype_name,), num_proc=2,
+                         env={"HVD_SPARK_TIMEOUT": "20"})
+    for msg in messages:
+        assert dtype_name in msg and "not supported" in msg, msg
