@@ -305,7 +305,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather several tensors (each concatenated along dim 0 over the ranks); differentiable."""
-    base = T._group_base("allgather", tensors, name)
+    base = T._group_base("allgather", tensors, name, process_set)
     return [allgather(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)]
 
 
@@ -326,6 +326,6 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reduce-scatter several tensors; returns this rank's block of each; differentiable."""
-    base = T._group_base("reducescatter", tensors, name)
+    base = T._group_base("reducescatter", tensors, name, process_set)
     return [reducescatter(t, f"{base}.{i}", compression, op, process_set, prescale_factor,
                           postscale_factor) for i, t in enumerate(tensors)]

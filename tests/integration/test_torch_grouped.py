@@ -114,6 +114,12 @@ def _names_and_sets() -> dict:
     numpy_sum = C.synchronize(handles[2][0])
     assert torch.equal(torch_sum[0], torch.ones(3)) and numpy_sum.tolist() == [1.0, 1.0]
     assert torch.equal(gathered[0], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    # The synchronous (differentiable) grouped allgather and reduce-scatter, unnamed.
+    both = hvd.grouped_allgather([torch.full((1, 2), float(r)), torch.ones(1)])
+    assert torch.equal(both[0], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    assert torch.equal(both[1], torch.ones(2))
+    blocks = hvd.grouped_reducescatter([torch.ones(4, 2) * (r + 1)], op=hvd.Sum)
+    assert torch.equal(blocks[0], torch.full((2, 2), 3.0))
     # A process set reaches the in-place grouped call (rank 1 meanwhile waits in a barrier).
     alone = hvd.add_process_set([0])
     if r == 0:
