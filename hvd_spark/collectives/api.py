@@ -530,17 +530,21 @@ def _many(kind: str, keys: list[str], builds: list, members,
     return engine.submit_many(entries) if entries else []
 
 
-def _group_names(kind: str, arrays, name, process_set) -> tuple[list[int], str, list[str]]:
-    """A grouped call's members, base name and one key per array (checks the list)."""
-    if isinstance(arrays, np.ndarray) or not isinstance(arrays, Sequence):
-        raise ConfigError(f"grouped {kind} expects a list of arrays, got {type(arrays).__name__}")
+def _group_names(kind: str, count: int, name, process_set) -> tuple[list[int], str, list[str]]:
+    """A grouped call's members, base name and one key per tensor (``<base>.<i>``)."""
     members = _members(process_set, f"grouped {kind}")
     base = auto_name(f"grouped_{kind}", name, process_set)
-    return members, base, [f"{base}.{i}" for i in range(len(arrays))]
+    return members, base, [f"{base}.{i}" for i in range(count)]
+
+
+def _check_list(kind: str, arrays) -> None:
+    if isinstance(arrays, np.ndarray) or not isinstance(arrays, Sequence):
+        raise ConfigError(f"grouped {kind} expects a list of arrays, got {type(arrays).__name__}")
 
 
 def _grouped(kind: str, arrays, name, process_set, make_build) -> list[Handle]:
-    members, _, keys = _group_names(kind, arrays, name, process_set)
+    _check_list(kind, arrays)
+    members, _, keys = _group_names(kind, len(arrays), name, process_set)
     return _many(kind, keys, [make_build(a) for a in arrays], members)
 
 
@@ -569,7 +573,8 @@ def _grouped_allreduce(arrays, name, op, prescale: float, postscale: float,
     """A grouped allreduce: its small tensors packed into one request, its large ones of
     the same dtype riding on that request uncopied, the others one by one, all in one
     batch (see ``packing``)."""
-    members, base, keys = _group_names(m.ALLREDUCE, arrays, name, process_set)
+    _check_list(m.ALLREDUCE, arrays)
+    members, base, keys = _group_names(m.ALLREDUCE, len(arrays), name, process_set)
     if not keys:
         return []  # nothing to send (the automatic name is used up on every rank alike)
 
@@ -655,7 +660,7 @@ def report_grouped_failure(kind: str, count: int, name: str | None, exc: BaseExc
     sent: the packed one or a tensor's own) instead of waiting, and the automatic name is
     used up here as there.
     """
-    members, base, keys = _group_names(kind, range(count), name, process_set)
+    members, base, keys = _group_names(kind, count, name, process_set)
     if kind == m.ALLREDUCE:
         keys = [_pack_key(base), *keys]
     for key in keys:
