@@ -3,8 +3,8 @@
 ``hvd.allreduce(x)`` (out of place: a new array) against ``hvd.allreduce_(x)`` (in place),
 for float32 and the half-precision types, at each size; rounds alternate the paths and
 the table gives medians, busbw (= 2(N-1)/N x bytes / time) and the out/in ratio.
-``--kernels torch`` runs ranks that imported ``hvd_spark.torch``, whose float16/bfloat16
-reduction kernels replace numpy's.
+``--kernels torch`` (or ``tensorflow``) runs ranks that imported that binding, whose
+float16/bfloat16 reduction kernels replace numpy's.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def _rank(sizes: list[int], dtypes: list[str], rounds: int, budget: int,
 
     if kernels == "torch":
         import hvd_spark.torch  # noqa: F401 - registers torch's half-precision kernels
+    elif kernels == "tensorflow":
+        import hvd_spark.tensorflow  # noqa: F401 - registers TensorFlow's (large arrays)
     else:
         ops.register_half_kernels(None)
     hvd.init()
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1M,64M", help="comma list (default 1M,64M)")
     parser.add_argument("--dtypes", default="float32", help=f"comma list of {_DTYPES}")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--kernels", choices=("numpy", "torch"), default="numpy",
+    parser.add_argument("--kernels", choices=("numpy", "torch", "tensorflow"), default="numpy",
                         help="float16/bfloat16 reduction kernels (torch: ranks import "
                         "hvd_spark.torch)")
     parser.add_argument("--op", choices=("sum", "average"), default="sum",

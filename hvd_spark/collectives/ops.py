@@ -88,8 +88,9 @@ _scratch = threading.local()
 class HalfKernels:
     """float16/bfloat16 kernels a framework binding lends the collectives.
 
-    Both receive 1-D C-contiguous writable arrays of one half dtype and equal size, and
-    return False to decline (numpy then does the work). They must compute as the numpy
+    Both receive 1-D C-contiguous arrays of one half dtype and equal size (``reduce``'s
+    ``src`` and ``base`` may be read-only: a caller's input), and return False to decline
+    (numpy then does the work). They must compute as the numpy
     path does: in float32, rounded to nearest even once per call.
 
     Attributes:
@@ -204,8 +205,7 @@ def _reduce_half(dst: np.ndarray, src: np.ndarray, op: ReduceOp, base: np.ndarra
         ufunc(base, src, out=dst)
         return
     kernels = _half_kernels
-    if (kernels is not None and s.flags.writeable and b.flags.writeable
-            and kernels.reduce(d, s, op, b)):
+    if kernels is not None and kernels.reduce(d, s, op, b):
         return
     if dst.dtype == _FLOAT16:
         # numpy converts float16 one element at a time (~2-3 ns each way): upcasting

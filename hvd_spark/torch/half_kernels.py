@@ -39,8 +39,8 @@ def _tensor(arr: np.ndarray) -> torch.Tensor:
 def reduce(dst: np.ndarray, src: np.ndarray, op: ops.ReduceOp, base: np.ndarray) -> bool:
     """``dst = op(base, src)`` with torch; False (numpy does it) for ops torch lacks here."""
     fn = _OUT_OPS.get(op)
-    if fn is None:
-        return False
+    if fn is None or not (src.flags.writeable and base.flags.writeable):
+        return False  # torch.from_numpy warns about read-only arrays
     for b, s, d in zip(_tensor(base).split(_SLICE), _tensor(src).split(_SLICE),
                        _tensor(dst).split(_SLICE)):
         fn(b, s, out=d)

@@ -344,11 +344,13 @@ def half_input(dtype, rank: int) -> np.ndarray:
 
 def half_allreduces(kernels: str) -> dict:
     """float16/bfloat16 allreduces of every op, out of place and in place, through the ring
-    and the eager path, with numpy's half kernels or ("torch") the torch binding's."""
+    and the eager path, with numpy's half kernels or ("torch", "tensorflow") a binding's."""
     from hvd_spark.collectives import ops
 
     if kernels == "torch":
         import hvd_spark.torch  # noqa: F401 - registers torch's half kernels
+    elif kernels == "tensorflow":
+        import hvd_spark.tensorflow  # noqa: F401 - registers TensorFlow's (large float16)
     else:
         ops.register_half_kernels(None)
     hvd.init()

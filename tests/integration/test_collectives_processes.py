@@ -202,7 +202,7 @@ def test_half_precision_allreduce_rounds_once_and_ranks_agree_bitwise(num_proc, 
 
     n = num_proc
     runs = {k: run_local(jobs.half_allreduces, args=(k,), num_proc=n, env=env)
-            for k in ("numpy", "torch")}
+            for k in ("numpy", "torch", "tensorflow")}
     dtypes = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
     with np.errstate(all="ignore"):
         for kernels, results in runs.items():
@@ -238,8 +238,8 @@ def test_half_precision_allreduce_rounds_once_and_ranks_agree_bitwise(num_proc, 
         # order) depends on timing, which may differ between the two jobs.
         for key, want in runs["numpy"][0].items():
             if key != "kernels" and key[1] != "fused":
-                _same_values(runs["torch"][0][key], want,
-                             bits=key[1] not in ("Min", "Max"))
+                for other in ("torch", "tensorflow"):
+                    _same_values(runs[other][0][key], want, bits=key[1] not in ("Min", "Max"))
 
 
 def test_out_of_order_names_and_fusion():

@@ -116,3 +116,47 @@ def test_tensor_collectives_two_ranks():
         np.testing.assert_allclose(res["after_error"], [2.0])
     np.testing.assert_array_equal(r0["alltoall"], [0, 10])
     np.testing.assert_array_equal(r1["alltoall"], [1, 2, 3, 11, 12, 13])
+
+
+def _large_float16_worker() -> dict:
+    """Large float16 allreduces, which TensorFlow's registered kernels reduce: eagerly,
+    inside tf.function (a numpy_function callback), in a TF1 session (not executing
+    eagerly: the kernels decline, numpy reduces) and through fp16 compression."""
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import tensorflow as tf
+
+    import hvd_spark.tensorflow as hvd
+    from hvd_spark.collectives import ops
+
+    hvd.init()
+    r = hvd.rank()
+    n = 3 * 65536 + 5  # several shared-memory chunks and an odd tail
+    x = np.random.default_rng(r).standard_normal(n).astype(np.float16)
+    out: dict = {"kernels": ops.half_kernels_name(), "x": x}
+    out["eager"] = hvd.allreduce(tf.constant(x), op=hvd.Sum, name="f16.eager").numpy()
+    out["average"] = hvd.allreduce(tf.constant(x), op=hvd.Average, name="f16.avg").numpy()
+    fn = tf.function(lambda v: hvd.allreduce(v, op=hvd.Sum, name="f16.fn"))
+    out["function"] = fn(tf.constant(x)).numpy()
+    x32 = x.astype(np.float32)
+    out["fp16"] = hvd.allreduce(tf.constant(x32), op=hvd.Sum, name="f16.comp",
+                                compression=hvd.Compression.fp16).numpy()
+    graph = tf.Graph()
+    with graph.as_default():
+        node = hvd.allreduce(tf.constant(x), op=hvd.Sum, name="f16.session")
+    with tf.compat.v1.Session(graph=graph) as session:
+        out["session"] = session.run(node)
+    return out
+
+
+def test_large_float16_allreduce_with_tensorflow_kernels():
+    a, b = run_local(_large_float16_worker, num_proc=2, env=ENV)
+    assert a["kernels"] == b["kernels"] == "tensorflow"
+    want = (a["x"].astype(np.float32) + b["x"].astype(np.float32)).astype(np.float16)
+    avg = (want.astype(np.float32) * np.float32(0.5)).astype(np.float16)
+    for out in (a, b):
+        for key in ("eager", "function", "session"):
+            assert out[key].dtype == np.float16, key
+            assert out[key].tobytes() == want.tobytes(), key
+        assert out["average"].tobytes() == avg.tobytes()
+        assert out["fp16"].dtype == np.float32
+        np.testing.assert_array_equal(out["fp16"], want.astype(np.float32))

@@ -1,8 +1,9 @@
 """float16/bfloat16 reductions and scaling: float32 arithmetic, rounded once per step.
 
-Every case runs with numpy's kernels and with the torch binding's registered ones, and
-compares bitwise with a float32 numpy reference rounded once (NaN: position only, the
-payload is not part of the contract).
+Every case runs with numpy's kernels and with the torch and TensorFlow bindings'
+registered ones (TensorFlow's take large float16 arrays only), and compares bitwise with a
+float32 numpy reference rounded once (NaN: position only, the payload is not part of the
+contract).
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ C = ops.HALF_CHUNK
 SIZES = [0, 1, 7, C - 1, C, 2 * C + 3, (1 << 15) + 1]
 
 
-@pytest.fixture(params=["numpy", "torch"])
+@pytest.fixture(params=["numpy", "torch", "tensorflow"])
 def kernels(request):
-    """Runs the test with numpy's kernels, then with torch's registered."""
+    """Runs the test with numpy's kernels, then with torch's registered, then TensorFlow's
+    (which take float16 arrays of ``tf_half_kernels.MIN_ELEMENTS`` or more)."""
     if request.param == "torch":
         previous = ops.register_half_kernels(half_kernels.KERNELS)
+    elif request.param == "tensorflow":
+        from hvd_spark.tensorflow import half_kernels as tf_half_kernels
+
+        previous = ops.register_half_kernels(tf_half_kernels.KERNELS)
     else:
         previous = ops.register_half_kernels(None)
     assert ops.half_kernels_name() == request.param
@@ -177,10 +183,13 @@ def test_zero_d_scale_and_empty(kernels):
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
-def test_torch_kernels_match_numpy_bitwise(dtype):
+def test_binding_kernels_match_numpy_bitwise(dtype):
+    from hvd_spark.tensorflow import half_kernels as tf_half_kernels
+
     a, b = _pairs(dtype, 5 * C + 11, seed=42)
     results = {}
-    for name, k in (("numpy", None), ("torch", half_kernels.KERNELS)):
+    for name, k in (("numpy", None), ("torch", half_kernels.KERNELS),
+                    ("tensorflow", tf_half_kernels.KERNELS)):
         previous = ops.register_half_kernels(k)
         try:
             got = {}
@@ -195,13 +204,30 @@ def test_torch_kernels_match_numpy_bitwise(dtype):
         finally:
             ops.register_half_kernels(previous)
         results[name] = got
-    for key, want in results["numpy"].items():
-        # Sum/Average and scaling: the same bits (NaN payloads aside: torch makes every
-        # bfloat16 NaN 0x7fc0, ml_dtypes keeps the payload).
-        assert_same_bits(results["torch"][key], want, zero_sign=key not in (ops.Min, ops.Max))
-    if dtype == np.float16:
-        for key in (ops.Sum, ops.Average, 0.5, 1 / 3, 0.1):
-            assert results["torch"][key].tobytes() == results["numpy"][key].tobytes(), key
+    for other in ("torch", "tensorflow"):
+        for key, want in results["numpy"].items():
+            # Sum/Average and scaling: the same bits (NaN payloads aside: torch makes every
+            # bfloat16 NaN 0x7fc0, ml_dtypes keeps the payload).
+            assert_same_bits(results[other][key], want, zero_sign=key not in (ops.Min, ops.Max))
+        if dtype == np.float16 and other == "torch":  # TensorFlow's NaNs carry other payloads
+            for key in (ops.Sum, ops.Average, 0.5, 1 / 3, 0.1):
+                assert results[other][key].tobytes() == results["numpy"][key].tobytes(), key
+
+
+def test_tensorflow_kernels_take_large_float16_only():
+    from hvd_spark.tensorflow import half_kernels as tf_half_kernels
+
+    big = tf_half_kernels.MIN_ELEMENTS
+    f16 = np.ones(big, np.float16)
+    assert tf_half_kernels.reduce(f16, f16.copy(), ops.Sum, f16)
+    assert f16[0] == 2.0 and tf_half_kernels.scale(f16, 0.25) and f16[-1] == 0.5
+    small = np.ones(big - 1, np.float16)
+    bf16 = np.ones(big, ops.BFLOAT16)
+    assert not tf_half_kernels.reduce(small, small.copy(), ops.Sum, small)
+    assert not tf_half_kernels.reduce(bf16, bf16.copy(), ops.Sum, bf16)
+    assert not tf_half_kernels.scale(bf16, 0.5)
+    assert not tf_half_kernels.reduce(f16, f16.copy(), ops.Adasum, f16)
+    assert small[0] == 1.0 and bf16[0] == 1.0
 
 
 def test_a_kernel_may_decline_and_numpy_takes_over():
@@ -246,6 +272,19 @@ def test_importing_the_torch_binding_registers_its_kernels():
         assert ops.half_kernels_name() == "numpy"
     finally:
         ops.register_half_kernels(previous)
+
+
+def test_importing_the_tensorflow_binding_registers_its_kernels_unless_torch_did():
+    code = ("import sys; from hvd_spark.collectives import ops; a = ops.half_kernels_name(); "
+            "import hvd_spark.tensorflow; b = ops.half_kernels_name(); "
+            "import hvd_spark.torch; c = ops.half_kernels_name(); "
+            "ops.register_half_kernels(None); import hvd_spark.tensorflow.half_kernels as k; "
+            "ops.register_half_kernels(ops.HalfKernels('other', None, None)); k.register(); "
+            "d = ops.half_kernels_name(); k.unregister(); print(a, b, c, d, "
+            "ops.half_kernels_name())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == ["numpy", "tensorflow", "torch", "other", "other"]
 
 
 def test_float32_path_unchanged():
