@@ -7,11 +7,19 @@ and round to nearest even once, vectorised, which is what ``hvd_spark.collective
 computes too: results stay bitwise the same. bfloat16 stays with numpy, whose path
 through float32 scratch was faster here than TensorFlow's kernels.
 
-Each call costs about 85 us of eager dispatch, so arrays under ``MIN_ELEMENTS`` decline
-and numpy does them; so does a call where TensorFlow is not executing eagerly (a TF1
-session's callback would build graph nodes instead). Importing ``hvd_spark.tensorflow``
-registers these kernels unless others are registered already (torch's, when both
-bindings are loaded, are faster).
+Each call costs about 85 us of eager dispatch, so small arrays decline and numpy does
+them. So does a call where TensorFlow could misbehave:
+- not executing eagerly (TF1 graph mode would build nodes instead);
+- asynchronous eager execution (the op would queue behind the running ``tf.function``
+  whose ``numpy_function`` callback is this very reduction: a deadlock);
+- before TensorFlow's runtime has started (the first op would start it: fixing its thread
+  pools and, with a GPU build, its devices before the user configured them);
+- a float32-subnormal scale factor (TensorFlow flushes it to zero).
+Large arrays go in slices of ``SLICE`` elements: TensorFlow copies its inputs, and a whole
+256 MB tensor at once would hold several copies.
+
+Importing ``hvd_spark.tensorflow`` registers these kernels unless others are registered
+already (torch's, when both bindings are loaded, are faster).
 """
 
 from __future__ import annotations
@@ -21,8 +29,17 @@ import tensorflow as tf
 
 from hvd_spark.collectives import ops
 
-#: Below this many elements numpy is faster than one eager TensorFlow call.
+try:  # private: whether TensorFlow's runtime has started (see ``_runtime_started``)
+    from tensorflow.python.eager import context as _context
+except ImportError:  # pragma: no cover - other TensorFlow versions
+    _context = None
+
+#: Below this many elements numpy is faster than one eager TensorFlow call (reductions
+#: broke even near 10K elements here, scaling near 28K: three calls).
 MIN_ELEMENTS = 16 * 1024
+MIN_SCALE_ELEMENTS = 32 * 1024
+#: Elements per TensorFlow call: bounded temporary copies, dispatch still under 10%.
+SLICE = 1 << 20
 
 _OPS = {
     ops.ReduceOp.Sum: tf.math.add,
@@ -31,35 +48,62 @@ _OPS = {
     ops.ReduceOp.Max: tf.math.maximum,
     ops.ReduceOp.Product: tf.math.multiply,
 }
-
-
 _FLOAT16 = np.dtype(np.float16)
+_TINY = np.finfo(np.float32).tiny  # smaller nonzero factors are subnormal
 
 
-def _takes(arr: np.ndarray) -> bool:
-    return (arr.dtype == _FLOAT16 and arr.size >= MIN_ELEMENTS
-            and tf.executing_eagerly())
+def _runtime_started() -> bool:
+    try:  # private, and cheap (0.1 us): whether an op or a device query started it
+        return bool(_context.context()._initialized)
+    except AttributeError:  # pragma: no cover - other TensorFlow versions
+        return False
+
+
+def _synchronous() -> bool:
+    """Whether this thread's eager ops run synchronously.
+
+    Read from the context's fields, not through ``get_synchronous_execution``: that wraps
+    the thread's executor in a temporary object whose deletion waits for every pending op,
+    which inside an asynchronous ``tf.function``'s callback (this reduction) never ends.
+    """
+    try:
+        ctx = _context.context()
+        if ctx._default_is_async:  # set before the runtime started: every thread
+            return False
+        local = ctx._thread_local_data.executor  # set on this thread after the start
+    except AttributeError:  # pragma: no cover - other TensorFlow versions
+        return False
+    return local is None or not local.is_async()
+
+
+def _takes(arr: np.ndarray, min_elements: int) -> bool:
+    return (arr.dtype == _FLOAT16 and arr.size >= min_elements and _runtime_started()
+            and _synchronous() and tf.executing_eagerly())
 
 
 def reduce(dst: np.ndarray, src: np.ndarray, op: ops.ReduceOp, base: np.ndarray) -> bool:
     """``dst = op(base, src)`` with TensorFlow; False (numpy does it) where it declines."""
     fn = _OPS.get(op)
-    if fn is None or not _takes(dst):
+    if fn is None or not _takes(dst, MIN_ELEMENTS):
         return False
     # On the CPU even where a GPU is visible (eager ops go to GPU:0 by default there).
     # ``base`` is read into TensorFlow's input before ``dst`` (maybe ``base``) is written.
     with tf.device("/cpu:0"):
-        np.copyto(dst, fn(base, src).numpy())
+        for start in range(0, dst.size, SLICE):
+            part = slice(start, start + SLICE)
+            np.copyto(dst[part], fn(base[part], src[part]).numpy())
     return True
 
 
 def scale(arr: np.ndarray, factor: float) -> bool:
     """``arr *= float32(factor)``: computed in float32, rounded once (as numpy does)."""
-    if not _takes(arr):
+    f32 = np.float32(factor)
+    if not _takes(arr, MIN_SCALE_ELEMENTS) or 0 < abs(f32) < _TINY:
         return False
     with tf.device("/cpu:0"):
-        wide = tf.cast(arr, tf.float32) * np.float32(factor)
-        np.copyto(arr, tf.cast(wide, tf.float16).numpy())
+        for start in range(0, arr.size, SLICE):
+            part = arr[start:start + SLICE]
+            np.copyto(part, tf.cast(tf.cast(part, tf.float32) * f32, tf.float16).numpy())
     return True
 
 
@@ -67,8 +111,8 @@ KERNELS = ops.HalfKernels(name="tensorflow", reduce=reduce, scale=scale)
 
 
 def register() -> None:
-    """Reduce and scale large float16/bfloat16 arrays with TensorFlow from now on, unless
-    another binding's kernels are registered already."""
+    """Reduce and scale large float16 arrays with TensorFlow from now on, unless another
+    binding's kernels are registered already."""
     if ops.half_kernels_name() == "numpy":
         ops.register_half_kernels(KERNELS)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 import tensorflow  # noqa: F401 - CI installs it: never a skip
 
 from hvd_spark.runner.local_launcher import run_local  # noqa: E402
@@ -118,38 +119,62 @@ def test_tensor_collectives_two_ranks():
     np.testing.assert_array_equal(r1["alltoall"], [1, 2, 3, 11, 12, 13])
 
 
-def _large_float16_worker() -> dict:
-    """Large float16 allreduces, which TensorFlow's registered kernels reduce: eagerly,
-    inside tf.function (a numpy_function callback), in a TF1 session (not executing
-    eagerly: the kernels decline, numpy reduces) and through fp16 compression."""
+def _large_float16_worker(asynchronous: bool) -> dict:
+    """Large float16 allreduces, which TensorFlow's registered kernels reduce (counted per
+    case): eagerly, inside tf.function (a numpy_function callback), in a TF1 session (its
+    callbacks run eagerly too) and through fp16 compression. ``asynchronous``: eager
+    execution is asynchronous on every thread (set before the runtime starts), where the
+    kernels must decline: their op would queue behind the very function whose callback
+    runs it, and wait for ever."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     import tensorflow as tf
 
     import hvd_spark.tensorflow as hvd
     from hvd_spark.collectives import ops
+    from hvd_spark.tensorflow import half_kernels
 
+    taken: list[bool] = []
+
+    def counted(dst, src, op, base):
+        taken.append(half_kernels.reduce(dst, src, op, base))
+        return taken[-1]
+
+    ops.register_half_kernels(ops.HalfKernels("tensorflow", counted, half_kernels.scale))
+    if asynchronous:
+        tf.config.experimental.set_synchronous_execution(False)
     hvd.init()
     r = hvd.rank()
     n = 3 * 65536 + 5  # several shared-memory chunks and an odd tail
     x = np.random.default_rng(r).standard_normal(n).astype(np.float16)
     out: dict = {"kernels": ops.half_kernels_name(), "x": x}
-    out["eager"] = hvd.allreduce(tf.constant(x), op=hvd.Sum, name="f16.eager").numpy()
-    out["average"] = hvd.allreduce(tf.constant(x), op=hvd.Average, name="f16.avg").numpy()
+
+    def case(key, run):
+        taken.clear()
+        out[key] = run()
+        out[f"{key}_taken"] = sum(taken)
+
+    case("eager", lambda: hvd.allreduce(tf.constant(x), op=hvd.Sum, name="f16.eager").numpy())
+    case("average", lambda: hvd.allreduce(tf.constant(x), op=hvd.Average,
+                                          name="f16.avg").numpy())
     fn = tf.function(lambda v: hvd.allreduce(v, op=hvd.Sum, name="f16.fn"))
-    out["function"] = fn(tf.constant(x)).numpy()
+    case("function", lambda: fn(tf.constant(x)).numpy())
     x32 = x.astype(np.float32)
-    out["fp16"] = hvd.allreduce(tf.constant(x32), op=hvd.Sum, name="f16.comp",
-                                compression=hvd.Compression.fp16).numpy()
+    case("fp16", lambda: hvd.allreduce(tf.constant(x32), op=hvd.Sum, name="f16.comp",
+                                       compression=hvd.Compression.fp16).numpy())
     graph = tf.Graph()
     with graph.as_default():
         node = hvd.allreduce(tf.constant(x), op=hvd.Sum, name="f16.session")
     with tf.compat.v1.Session(graph=graph) as session:
-        out["session"] = session.run(node)
+        case("session", lambda: session.run(node))
     return out
 
 
-def test_large_float16_allreduce_with_tensorflow_kernels():
-    a, b = run_local(_large_float16_worker, num_proc=2, env=ENV)
+KEYS = ("eager", "average", "function", "fp16", "session")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_large_float16_allreduce_with_tensorflow_kernels(asynchronous):
+    a, b = run_local(_large_float16_worker, args=(asynchronous,), num_proc=2, env=ENV)
     assert a["kernels"] == b["kernels"] == "tensorflow"
     want = (a["x"].astype(np.float32) + b["x"].astype(np.float32)).astype(np.float16)
     avg = (want.astype(np.float32) * np.float32(0.5)).astype(np.float16)
@@ -160,3 +185,6 @@ def test_large_float16_allreduce_with_tensorflow_kernels():
         assert out["average"].tobytes() == avg.tobytes()
         assert out["fp16"].dtype == np.float32
         np.testing.assert_array_equal(out["fp16"], want.astype(np.float32))
+    # Each rank reduces its share of the ring (or both halves when two ranks decide alone).
+    taken = {key: a[f"{key}_taken"] + b[f"{key}_taken"] for key in KEYS}
+    assert taken == dict.fromkeys(KEYS, 0) if asynchronous else all(taken.values()), taken

@@ -37,14 +37,22 @@ def kernels(request):
     if request.param == "torch":
         previous = ops.register_half_kernels(half_kernels.KERNELS)
     elif request.param == "tensorflow":
-        from hvd_spark.tensorflow import half_kernels as tf_half_kernels
-
-        previous = ops.register_half_kernels(tf_half_kernels.KERNELS)
+        previous = ops.register_half_kernels(_started_tf_kernels())
     else:
         previous = ops.register_half_kernels(None)
     assert ops.half_kernels_name() == request.param
     yield request.param
     ops.register_half_kernels(previous)
+
+
+def _started_tf_kernels() -> ops.HalfKernels:
+    """TensorFlow's kernels, with its runtime started (before that they decline)."""
+    import tensorflow as tf
+
+    from hvd_spark.tensorflow import half_kernels as tf_half_kernels
+
+    tf.constant(0.0).numpy()
+    return tf_half_kernels.KERNELS
 
 
 def _specials(dtype: np.dtype) -> np.ndarray:
@@ -184,12 +192,10 @@ def test_zero_d_scale_and_empty(kernels):
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_binding_kernels_match_numpy_bitwise(dtype):
-    from hvd_spark.tensorflow import half_kernels as tf_half_kernels
-
     a, b = _pairs(dtype, 5 * C + 11, seed=42)
     results = {}
     for name, k in (("numpy", None), ("torch", half_kernels.KERNELS),
-                    ("tensorflow", tf_half_kernels.KERNELS)):
+                    ("tensorflow", _started_tf_kernels())):
         previous = ops.register_half_kernels(k)
         try:
             got = {}
@@ -215,19 +221,53 @@ def test_binding_kernels_match_numpy_bitwise(dtype):
 
 
 def test_tensorflow_kernels_take_large_float16_only():
-    from hvd_spark.tensorflow import half_kernels as tf_half_kernels
+    import tensorflow as tf
 
-    big = tf_half_kernels.MIN_ELEMENTS
-    f16 = np.ones(big, np.float16)
-    assert tf_half_kernels.reduce(f16, f16.copy(), ops.Sum, f16)
-    assert f16[0] == 2.0 and tf_half_kernels.scale(f16, 0.25) and f16[-1] == 0.5
-    small = np.ones(big - 1, np.float16)
+    from hvd_spark.tensorflow import half_kernels as k
+
+    _started_tf_kernels()
+    big = max(k.MIN_ELEMENTS, k.MIN_SCALE_ELEMENTS)
+    f16 = np.ones(k.SLICE + big, np.float16)  # two slices
+    assert k.reduce(f16, f16.copy(), ops.Sum, f16)
+    assert f16[0] == f16[-1] == 2.0 and k.scale(f16, 0.25) and f16[0] == f16[-1] == 0.5
+    small = np.ones(k.MIN_ELEMENTS - 1, np.float16)
     bf16 = np.ones(big, ops.BFLOAT16)
-    assert not tf_half_kernels.reduce(small, small.copy(), ops.Sum, small)
-    assert not tf_half_kernels.reduce(bf16, bf16.copy(), ops.Sum, bf16)
-    assert not tf_half_kernels.scale(bf16, 0.5)
-    assert not tf_half_kernels.reduce(f16, f16.copy(), ops.Adasum, f16)
-    assert small[0] == 1.0 and bf16[0] == 1.0
+    declined = [
+        k.reduce(small, small.copy(), ops.Sum, small),
+        k.scale(np.ones(k.MIN_SCALE_ELEMENTS - 1, np.float16), 0.5),
+        k.reduce(bf16, bf16.copy(), ops.Sum, bf16),
+        k.scale(bf16, 0.5),
+        k.reduce(f16, f16.copy(), ops.Adasum, f16),
+        k.scale(f16, 1e-39),  # a float32 subnormal: TensorFlow would flush it to zero
+    ]
+    with tf.Graph().as_default():  # graph mode: TensorFlow would build nodes instead
+        declined.append(k.reduce(f16, f16.copy(), ops.Sum, f16))
+    tf.config.experimental.set_synchronous_execution(False)
+    try:  # asynchronous eager ops could queue behind the tf.function calling this
+        declined.append(k.reduce(f16, f16.copy(), ops.Sum, f16))
+    finally:
+        tf.config.experimental.set_synchronous_execution(True)
+    assert declined == [False] * 8
+    assert small[0] == 1.0 and bf16[0] == 1.0 and f16[0] == 0.5
+
+
+def test_tensorflow_kernels_wait_for_the_runtime_to_start():
+    # A fresh process: reductions before any TensorFlow op leave its runtime alone, so the
+    # user can still configure its thread pools (and, on a GPU build, its devices).
+    code = (
+        "import numpy as np, tensorflow as tf, hvd_spark.tensorflow\n"
+        "from hvd_spark.collectives import ops\n"
+        "from hvd_spark.tensorflow import half_kernels as k\n"
+        "a = np.ones(1 << 16, np.float16)\n"
+        "before = k.reduce(a, a.copy(), ops.Sum, a)\n"
+        "ops.reduce_into(a, a.copy(), ops.Sum); ops.scale_in_place(a, 0.5)\n"
+        "tf.config.threading.set_inter_op_parallelism_threads(1)\n"
+        "tf.constant(1.0).numpy()\n"
+        "after = k.reduce(a, a.copy(), ops.Sum, a)\n"
+        "print(ops.half_kernels_name(), before, after, float(a[0]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == ["tensorflow", "False", "True", "2.0"]
 
 
 def test_a_kernel_may_decline_and_numpy_takes_over():
