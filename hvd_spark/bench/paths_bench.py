@@ -37,7 +37,11 @@ def _rank(sizes: list[int], dtypes: list[str], rounds: int, budget: int,
     if kernels == "torch":
         import hvd_spark.torch  # noqa: F401 - registers torch's half-precision kernels
     elif kernels == "tensorflow":
+        import tensorflow as tf
+
         import hvd_spark.tensorflow  # noqa: F401 - registers TensorFlow's (large arrays)
+
+        tf.constant(0.0).numpy()  # a TensorFlow job has started the runtime by then
     else:
         ops.register_half_kernels(None)
     hvd.init()

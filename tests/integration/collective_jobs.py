@@ -347,10 +347,23 @@ def half_allreduces(kernels: str) -> dict:
     and the eager path, with numpy's half kernels or ("torch", "tensorflow") a binding's."""
     from hvd_spark.collectives import ops
 
+    taken: list[bool] = []
     if kernels == "torch":
         import hvd_spark.torch  # noqa: F401 - registers torch's half kernels
     elif kernels == "tensorflow":
+        import tensorflow as tf
+
         import hvd_spark.tensorflow  # noqa: F401 - registers TensorFlow's (large float16)
+        from hvd_spark.tensorflow import half_kernels
+
+        tf.constant(0.0).numpy()  # they wait for TensorFlow's runtime to start
+
+        def counted(dst, src, op, base):  # the test checks TensorFlow's kernels did work
+            took = half_kernels.reduce(dst, src, op, base)
+            taken.append(took)
+            return took
+
+        ops.register_half_kernels(ops.HalfKernels("tensorflow", counted, half_kernels.scale))
     else:
         ops.register_half_kernels(None)
     hvd.init()
@@ -371,6 +384,7 @@ def half_allreduces(kernels: str) -> dict:
         handles = [hvd.allreduce_async(x[i * 30000:(i + 1) * 30000], op=hvd.Sum,
                                        name=f"h.{name}.fused{i}") for i in range(4)]
         out[name, "fused"] = np.concatenate([hvd.synchronize(h) for h in handles])
+    out["taken"] = sum(taken)
     return out
 
 
