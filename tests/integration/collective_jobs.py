@@ -342,6 +342,19 @@ def half_input(dtype, rank: int) -> np.ndarray:
     return x.astype(dtype)
 
 
+def count_tensorflow_half_kernels(taken: list[bool]) -> None:
+    """Register TensorFlow's float16 kernels so that each reduction offered to them appends
+    whether they took it to ``taken`` (a bitwise check passes whoever reduced)."""
+    from hvd_spark.collectives import ops
+    from hvd_spark.tensorflow import half_kernels
+
+    def counted(dst, src, op, base):
+        taken.append(half_kernels.reduce(dst, src, op, base))
+        return taken[-1]
+
+    ops.register_half_kernels(ops.HalfKernels("tensorflow", counted, half_kernels.scale))
+
+
 def half_allreduces(kernels: str) -> dict:
     """float16/bfloat16 allreduces of every op, out of place and in place, through the ring
     and the eager path, with numpy's half kernels or ("torch", "tensorflow") a binding's."""
@@ -353,17 +366,8 @@ def half_allreduces(kernels: str) -> dict:
     elif kernels == "tensorflow":
         import tensorflow as tf
 
-        import hvd_spark.tensorflow  # noqa: F401 - registers TensorFlow's (large float16)
-        from hvd_spark.tensorflow import half_kernels
-
         tf.constant(0.0).numpy()  # they wait for TensorFlow's runtime to start
-
-        def counted(dst, src, op, base):  # the test checks TensorFlow's kernels did work
-            took = half_kernels.reduce(dst, src, op, base)
-            taken.append(took)
-            return took
-
-        ops.register_half_kernels(ops.HalfKernels("tensorflow", counted, half_kernels.scale))
+        count_tensorflow_half_kernels(taken)
     else:
         ops.register_half_kernels(None)
     hvd.init()

@@ -131,15 +131,10 @@ def _large_float16_worker(asynchronous: bool) -> dict:
 
     import hvd_spark.tensorflow as hvd
     from hvd_spark.collectives import ops
-    from hvd_spark.tensorflow import half_kernels
+    from tests.integration.collective_jobs import count_tensorflow_half_kernels
 
     taken: list[bool] = []
-
-    def counted(dst, src, op, base):
-        taken.append(half_kernels.reduce(dst, src, op, base))
-        return taken[-1]
-
-    ops.register_half_kernels(ops.HalfKernels("tensorflow", counted, half_kernels.scale))
+    count_tensorflow_half_kernels(taken)
     if asynchronous:
         tf.config.experimental.set_synchronous_execution(False)
     hvd.init()

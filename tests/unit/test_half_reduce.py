@@ -55,6 +55,12 @@ def _started_tf_kernels() -> ops.HalfKernels:
     return tf_half_kernels.KERNELS
 
 
+def _printed_by(code: str) -> list[str]:
+    """The words ``code`` prints in a fresh interpreter (import-time effects need one)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=True).stdout.split()
+
+
 def _specials(dtype: np.dtype) -> np.ndarray:
     info = ml_dtypes.finfo(dtype)
     return np.array([0.0, -0.0, np.inf, -np.inf, np.nan, float(info.max), -float(info.max),
@@ -265,9 +271,7 @@ def test_tensorflow_kernels_wait_for_the_runtime_to_start():
         "tf.constant(1.0).numpy()\n"
         "after = k.reduce(a, a.copy(), ops.Sum, a)\n"
         "print(ops.half_kernels_name(), before, after, float(a[0]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, check=True).stdout.split()
-    assert out == ["tensorflow", "False", "True", "2.0"]
+    assert _printed_by(code) == ["tensorflow", "False", "True", "2.0"]
 
 
 def test_a_kernel_may_decline_and_numpy_takes_over():
@@ -299,9 +303,7 @@ def test_a_kernel_may_decline_and_numpy_takes_over():
 def test_importing_the_torch_binding_registers_its_kernels():
     code = ("from hvd_spark.collectives import ops; a = ops.half_kernels_name(); "
             "import hvd_spark.torch; print(a, ops.half_kernels_name())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
-    assert out == ["numpy", "torch"]
+    assert _printed_by(code) == ["numpy", "torch"]
     import hvd_spark.torch.half_kernels as half_kernels
 
     previous = ops.register_half_kernels(None)
@@ -322,9 +324,7 @@ def test_importing_the_tensorflow_binding_registers_its_kernels_unless_torch_did
             "ops.register_half_kernels(ops.HalfKernels('other', None, None)); k.register(); "
             "d = ops.half_kernels_name(); k.unregister(); print(a, b, c, d, "
             "ops.half_kernels_name())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, check=True).stdout.split()
-    assert out == ["numpy", "tensorflow", "torch", "other", "other"]
+    assert _printed_by(code) == ["numpy", "tensorflow", "torch", "other", "other"]
 
 
 def test_float32_path_unchanged():
