@@ -23,6 +23,7 @@ from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError
 from hvd_spark.estimator import recovery, transform
+from hvd_spark.estimator.learning_rate import PARAM as LR_PARAM
 from hvd_spark.estimator.params import SHARED_PARAMS, KeywordParams, define_params
 from hvd_spark.estimator.persistence import PickledReader, PickledWriter
 from hvd_spark.estimator.run_record import RunRecord
@@ -110,6 +111,10 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         """Framework-specific TrainSpec settings."""
         return {}
 
+    def _learning_rate_note(self, num_proc: int) -> str | None:
+        """What the ranks' learning rate will be, said once at fit start (None: nothing)."""
+        return None
+
     def _worker_env(self) -> dict[str, str]:
         """Environment variables for the ranks."""
         return {}
@@ -153,6 +158,10 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         fn = self.value("transformation_fn")
         if fn is not None and not callable(fn):
             raise ConfigError(f"transformation_fn must be callable, got {type(fn).__name__}")
+        if self.hasParam(LR_PARAM) and not isinstance(self.value(LR_PARAM), bool):
+            raise ConfigError(f"{LR_PARAM} must be True (Horovod's rule: the rate x the number "
+                              f"of ranks) or False (the rate as given), got "
+                              f"{self.value(LR_PARAM)!r}")
         self._label_shapes()
         self._check_framework()
 
@@ -316,6 +325,9 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         )
         record = RunRecord(store, run_id, spec.epochs, self.value("verbose"))
         backend = self._backend(record)
+        note = self._learning_rate_note(backend.num_processes())
+        if note:
+            log.info("%s", note)
         if payload is None:
             payload = self._checked_payload()
         try:

@@ -14,6 +14,7 @@ from typing import Any
 import cloudpickle
 
 from hvd_spark.errors import ConfigError
+from hvd_spark.estimator import learning_rate
 from hvd_spark.estimator.base import MODEL_PARAMS, HvdEstimator, HvdModel, define
 from hvd_spark.estimator.lightning_strategy import lightning_package
 from hvd_spark.estimator.params import keyword_only_params
@@ -27,6 +28,7 @@ TORCH_PARAMS = [
     ("train_minibatch_fn", "callable returning Horovod's train_minibatch(model, optimizer, "
      "transform_outputs, loss_fn, inputs, labels, sample_weights, backward_passes_per_step, "
      "batch_idx) -> (outputs, loss)", None, None),
+    learning_rate.PARAM_SPEC,
 ]
 
 TORCH_MODEL_PARAMS = [
@@ -125,8 +127,9 @@ class TorchEstimator(HvdEstimator):
       28]]``) or be the shape of one row (``[[1, 28, 28]]``).
     - The optimizer is used as given: every param group and its settings, mapped onto
       each rank's copy of the model; it must be built over the model's parameters.
-      Its learning rate is not scaled by the number of ranks (Horovod multiplies it
-      by ``num_proc``): scale it yourself for Horovod's convention.
+    - As in Horovod, each rank trains with every param group's learning rate times the
+      number of ranks; checkpoints, ``getOptimizer()`` and a resumed fit carry the rate
+      as given. ``scale_learning_rate=False`` (hvd_spark only) keeps the rate as given.
     - With ``sample_weight_col``, a loss module must return per-row values
       (``reduction="none"``); a loss function is called with ``reduction="none"``.
     - ``use_gpu`` (default True) trains on a GPU when the rank has one, else on the CPU.
@@ -150,9 +153,17 @@ class TorchEstimator(HvdEstimator):
                  backward_passes_per_step=1, compress_sparse_cols=False,
                  transformation_edit_fields=None, transformation_removed_fields=None,
                  tensorflow_dataset_prefetch_buffer_size=0, output_cols=None,
-                 max_retries=3, checkpoint_every_steps=None):
+                 max_retries=3, checkpoint_every_steps=None, scale_learning_rate=True):
         super().__init__()
         self.setParams(**self._input_kwargs)
+
+    def _extra(self) -> dict:
+        return {learning_rate.PARAM: self.value(learning_rate.PARAM)}
+
+    def _learning_rate_note(self, num_proc: int) -> str:
+        rates = [group["lr"] for group in self.value("optimizer").param_groups]
+        return learning_rate.describe(rates, num_proc, self.value(learning_rate.PARAM),
+                                      type(self).__name__)
 
     def _ignored(self) -> dict[str, str]:
         return {**super()._ignored(),

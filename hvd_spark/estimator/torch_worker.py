@@ -27,6 +27,8 @@ import cloudpickle
 import numpy as np
 
 from hvd_spark.estimator import history as hist
+from hvd_spark.estimator.learning_rate import PARAM as SCALE_PARAM
+from hvd_spark.estimator.learning_rate import TorchRates
 from hvd_spark.estimator.step_checkpoints import (
     ResumePoint,
     read_step_checkpoint,
@@ -159,12 +161,13 @@ def _move_optimizer_state(optimizer) -> None:
     optimizer.load_state_dict(optimizer.state_dict())
 
 
-def optimizer_record(model, optimizer, torch) -> bytes:
-    """The optimizer as bytes that ``TorchModel.getOptimizer`` maps onto a model copy."""
+def optimizer_record(model, optimizer, state: dict, torch) -> bytes:
+    """The optimizer as bytes that ``TorchModel.getOptimizer`` maps onto a model copy;
+    ``state`` is its state dict as saved (with the user's learning rates)."""
     names = {id(p): n for n, p in model.named_parameters()}
     buf = io.BytesIO()
     torch.save({"cls": type(optimizer), "defaults": dict(optimizer.defaults),
-                "state": optimizer.state_dict(),
+                "state": state,
                 "group_names": [[names[id(p)] for p in g["params"]]
                                 for g in optimizer.param_groups]}, buf)
     return buf.getvalue()
@@ -213,6 +216,8 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             optimizer.load_state_dict(state["optimizer"])
             history = state["history"]
     _move_optimizer_state(optimizer)
+    # Horovod's rule: ranks train at size x the user's rate; what is saved carries the user's.
+    rates = TorchRates(optimizer, hvd.size() if spec.extra.get(SCALE_PARAM) else 1)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     dist_opt = hvd.DistributedOptimizer(
@@ -246,7 +251,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
                                      name=f"hvd_spark.step_checkpoint.{epoch}.{steps_done}")
         if hvd.rank() == 0:
             buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            torch.save({"model": model.state_dict(), "optimizer": rates.unscaled_state(),
                         "history": history, "ranks": ranks}, buf)
             save_step_checkpoint(spec.store, spec.run_id, epoch, steps_done, buf.getvalue())
 
@@ -300,7 +305,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
         if hvd.rank() == 0:
             hist.report(record, spec.epochs, spec.verbose)
             buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            torch.save({"model": model.state_dict(), "optimizer": rates.unscaled_state(),
                         "history": history}, buf)
             spec.store.save_checkpoint(spec.run_id, epoch, buf.getvalue())
     if hvd.rank() != 0:
@@ -312,7 +317,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
         outs = _as_tuple(model(*_inputs(sample, ds.feature_cols, shapes, torch)))
     return {
         "model": cloudpickle.dumps({"model": model, "input_shapes": shapes}),
-        "optimizer": optimizer_record(model, optimizer, torch),
+        "optimizer": optimizer_record(model, optimizer, rates.unscaled_state(), torch),
         "history": history,
         "output_shapes": [tuple(o.shape[1:]) for o in outs],
     }
