@@ -1,7 +1,8 @@
 """hvd_spark: Horovod-style distributed deep learning on Apache Spark, in pure Python.
 
-``hvd_spark.run``, ``hvd_spark.run_elastic``, ``hvd_spark.run_local`` and ``SparkBackend``
-are imported lazily so that importing the package costs nothing and pulls in no framework.
+``hvd_spark.run``, ``hvd_spark.run_elastic``, ``hvd_spark.run_local``, ``SparkBackend`` and
+``get_available_devices`` (:mod:`hvd_spark.task`) are imported lazily so that importing the
+package costs nothing and pulls in no framework.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["SparkBackend", "__version__", "run", "run_elastic", "run_local"]
+__all__ = ["SparkBackend", "__version__", "get_available_devices", "run", "run_elastic",
+           "run_local"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,4 +32,14 @@ def __getattr__(name: str) -> Any:
         from hvd_spark.runner.backend import SparkBackend
 
         return SparkBackend
+    if name == "get_available_devices":
+        from hvd_spark.task import get_available_devices
+
+        return get_available_devices
     raise AttributeError(f"module 'hvd_spark' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names too: tools that copy a module's names through dir() (such as the
+    # `horovod` compatibility alias's `horovod.spark`) must see run, run_elastic, ...
+    return sorted(set(globals()) | set(__all__))

@@ -29,6 +29,9 @@ SECRET = "HVD_SPARK_SECRET"
 RUN_ID = "HVD_SPARK_RUN_ID"
 HOSTNAME = "HVD_SPARK_HOSTNAME"
 ADVERTISE_ADDR = "HVD_SPARK_ADVERTISE_ADDR"
+# Set by hvd_spark.run's Spark tasks: the comma-separated GPU addresses Spark gave the
+# task ("" for none); the rank has no TaskContext of its own (hvd_spark.task reads it).
+TASK_GPUS = "HVD_SPARK_TASK_GPUS"
 
 # The launcher variables whose absence means "no launcher: a one-rank job".
 LAUNCHER_VARS = (RANK, SIZE, RENDEZVOUS_ADDR, SECRET)

@@ -21,6 +21,11 @@ from hvd_spark.estimator.lightning_worker import train_lightning
 from hvd_spark.estimator.params import keyword_only_params
 from hvd_spark.estimator.torch_worker import torch_predictor
 
+#: The oldest Lightning release this estimator supports (the ``lightning>=2.2`` extra), as
+#: Horovod's ``horovod.spark.lightning.estimator.MIN_PL_VERSION`` names its own: a string for
+#: ``packaging.version.parse``, so ported scripts' version checks keep working.
+MIN_PL_VERSION = "2.2.0"
+
 LIGHTNING_PARAMS = [
     ("input_shapes", "shape of each feature input, Horovod's [-1, ...] or one row's", None,
      None),
@@ -203,4 +208,5 @@ define(LightningModel, torch_adapter.TORCH_MODEL_PARAMS, base=MODEL_PARAMS)
 TorchEstimator = LightningEstimator
 TorchModel = LightningModel
 
-__all__ = ["LightningEstimator", "LightningModel", "TorchEstimator", "TorchModel"]
+__all__ = ["MIN_PL_VERSION", "LightningEstimator", "LightningModel", "TorchEstimator",
+           "TorchModel"]

@@ -36,7 +36,7 @@ SHARED_PARAMS: list[tuple[str, str, Any, Any]] = [
     ("backend", "a Backend (SparkBackend) that runs the training; not with num_proc", _ANY, None),
     ("store", "Store (or path/URL) for data, checkpoints and logs", _ANY, None),
     ("model", "the model to train (framework object)", _ANY, None),
-    ("optimizer", "the optimizer (framework object), used as given", _ANY, None),
+    ("optimizer", "the optimizer (framework object)", _ANY, None),
     ("loss", "loss function, or one per label column", _ANY, None),
     ("loss_weights", "weight of each label column's loss (torch default: 1/len(label_cols))",
      _FLOATS, None),

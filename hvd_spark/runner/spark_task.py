@@ -30,6 +30,7 @@ from hvd_spark.runner.task_process import (
     LogSender,
     reap_worker,
     start_worker,
+    task_gpu_addresses,
     watch_stop,
 )
 
@@ -60,10 +61,15 @@ class TaskSpec:
 
 
 def child_env(
-    base: dict[str, str], spec: TaskSpec, info: RankInfo, gpus: list[str] | None
+    base: dict[str, str], spec: TaskSpec, info: RankInfo, gpus: list[str] | None,
+    task_gpus: list[str] | None = None,
 ) -> dict[str, str]:
     """The environment of a rank's process: executor's + user's + the rank's variables
-    (ours, and Horovod's and torch's names for them)."""
+    (ours, and Horovod's and torch's names for them).
+
+    ``gpus`` (when not None) becomes ``CUDA_VISIBLE_DEVICES``; ``task_gpus`` (when not
+    None) are the task's Spark GPU addresses, for ``hvd_spark.task.get_available_devices``.
+    """
     env = {**base, **spec.env}
     env.setdefault(_env.START_TIMEOUT, str(spec.start_timeout))
     env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
@@ -76,6 +82,9 @@ def child_env(
     })
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    if task_gpus is not None:
+        # Set even when empty: "Spark gave no GPUs" must not fall back to CUDA_VISIBLE_DEVICES.
+        env[_env.TASK_GPUS] = ",".join(task_gpus)
     return env
 
 
@@ -99,15 +108,19 @@ def connect_to_driver(driver_addr: str, secret: bytes, start_timeout: float,
         ) from exc
 
 
-def run_task(spec: TaskSpec, partition: int, gpus: list[str] | None) -> int:
-    """Run one rank of the job for ``partition``; return its process's exit code."""
+def run_task(spec: TaskSpec, partition: int, gpus: list[str] | None,
+             task_gpus: list[str] | None = None) -> int:
+    """Run one rank of the job for ``partition``; return its process's exit code.
+
+    ``gpus`` and ``task_gpus`` are :func:`child_env`'s.
+    """
     host = socket.gethostname()
     client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
     try:
         try:
             info: RankInfo = client.call(
                 REGISTER, partition, host, spec.start_timeout, timeout=spec.start_timeout)
-            proc = start_worker(child_env(dict(os.environ), spec, info, gpus))
+            proc = start_worker(child_env(dict(os.environ), spec, info, gpus, task_gpus))
         except Exception as exc:  # noqa: BLE001 - reported to the driver, then re-raised
             with contextlib.suppress(Exception):
                 client.call(TASK_ERROR, partition, WorkerFailure.from_exception(
@@ -133,10 +146,7 @@ def run_task(spec: TaskSpec, partition: int, gpus: list[str] | None) -> int:
 
 
 def _task_gpus(context: Any, use_gpu: bool) -> list[str] | None:
-    if not use_gpu:
-        return None
-    resource = context.resources().get("gpu")
-    return list(resource.addresses) if resource is not None else []
+    return task_gpu_addresses(context) if use_gpu else None
 
 
 def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
@@ -148,7 +158,8 @@ def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
         pass
     context = BarrierTaskContext.get()
     partition = context.partitionId()
-    returncode = run_task(spec, partition, _task_gpus(context, spec.use_gpu))
+    returncode = run_task(spec, partition, _task_gpus(context, spec.use_gpu),
+                          task_gpu_addresses(context))
     yield pa.RecordBatch.from_pydict(
         {"partition": [partition], "returncode": [returncode]},
         schema=pa.schema([("partition", pa.int64()), ("returncode", pa.int64())]),
@@ -163,4 +174,5 @@ def rdd_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[tuple[int, int]]:
         pass
     context = BarrierTaskContext.get()
     partition = context.partitionId()
-    yield partition, run_task(spec, partition, _task_gpus(context, spec.use_gpu))
+    yield partition, run_task(spec, partition, _task_gpus(context, spec.use_gpu),
+                              task_gpu_addresses(context))

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO
+from typing import IO, Any
 
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
@@ -53,6 +53,19 @@ def kill_group(proc: subprocess.Popen, sig: int) -> None:
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
+
+
+def task_gpu_addresses(context: Any) -> list[str]:
+    """The GPU addresses Spark assigned to this task (``[]`` without GPU scheduling).
+
+    Args:
+        context: The task's ``TaskContext`` (or ``BarrierTaskContext``).
+
+    Returns:
+        ``context.resources()["gpu"].addresses`` as strings, e.g. ``["0"]``.
+    """
+    resource = context.resources().get("gpu")
+    return [str(a) for a in resource.addresses] if resource is not None else []
 
 
 def start_worker(env: dict[str, str]) -> subprocess.Popen:
