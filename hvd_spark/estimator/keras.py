@@ -15,6 +15,7 @@ from typing import Any
 import cloudpickle
 
 from hvd_spark.errors import ConfigError
+from hvd_spark.estimator import learning_rate
 from hvd_spark.estimator.base import MODEL_PARAMS, HvdEstimator, HvdModel, define
 from hvd_spark.estimator.keras_worker import (  # noqa: F401 - place_keras re-exported
     keras_predictor,
@@ -32,6 +33,7 @@ KERAS_PARAMS = [
     ("checkpoint_callback", "a keras ModelCheckpoint deciding which epoch's weights the "
      "fitted model gets (e.g. save_best_only=True)", None, None),
     ("backend_env", "environment variables added to every rank's", None, None),
+    learning_rate.PARAM_SPEC,
 ]
 
 KERAS_MODEL_PARAMS = [
@@ -98,7 +100,11 @@ class KerasEstimator(HvdEstimator):
       ``label_shapes`` (default: the model's output shapes) when they hold as many
       values per row: a flat 784-value Vector feeds a ``(28, 28, 1)`` input, and
       one-hot (Sparse)Vector labels feed a softmax output.
-    - The learning rate is used as given (Horovod multiplies it by ``num_proc``).
+    - As in Horovod, each rank trains with the optimizer's learning rate times the number
+      of ranks (a schedule's rates too), and Horovod's ``LearningRateScheduleCallback`` /
+      ``LearningRateWarmupCallback`` get the scaled rate as ``initial_lr``; checkpoints,
+      ``getOptimizer()`` and a resumed fit carry the rate as given.
+      ``scale_learning_rate=False`` (hvd_spark only) keeps the rate as given.
     - Every rank starts from rank 0's weights (BroadcastGlobalVariablesCallback) and
       epoch metrics are averaged over ranks (MetricAverageCallback).
     - A TensorBoard callback runs on rank 0 only; its logs go to the store's logs path
@@ -122,12 +128,22 @@ class KerasEstimator(HvdEstimator):
                  backward_passes_per_step=1, compress_sparse_cols=False,
                  transformation_edit_fields=None, transformation_removed_fields=None,
                  output_cols=None,
-                 max_retries=3, checkpoint_every_steps=None):
+                 max_retries=3, checkpoint_every_steps=None, scale_learning_rate=True):
         super().__init__()
         self.setParams(**self._input_kwargs)
 
     def _model_class(self):
         return KerasModel
+
+    def _extra(self) -> dict:
+        return {learning_rate.PARAM: self.value(learning_rate.PARAM)}
+
+    def _learning_rate_note(self, num_proc: int) -> str:
+        import keras
+
+        rate = learning_rate.keras_rate(keras.optimizers.serialize(self.value("optimizer")))
+        return learning_rate.describe(None if rate is None else [rate], num_proc,
+                                      self.value(learning_rate.PARAM), type(self).__name__)
 
     def _check_framework(self) -> None:
         import keras

@@ -22,6 +22,7 @@ import numpy as np
 
 from hvd_spark._env import LOCAL_RANK
 from hvd_spark.estimator import history as hist
+from hvd_spark.estimator import learning_rate as lr_rule
 from hvd_spark.estimator.train_spec import (
     TrainSpec,
     check_loss,
@@ -70,14 +71,46 @@ def shaped(array: np.ndarray, row_shape: tuple[int, ...] | None) -> np.ndarray:
     return array
 
 
-def _xy(batch: dict, ds, in_shapes: list, out_shapes: list) -> tuple:
-    def pick(cols, shapes):
-        arrays = [np.asarray(batch[c], np.float32) if batch[c].dtype.kind == "f"
-                  else np.asarray(batch[c]) for c in cols]
-        arrays = [shaped(a, s) for a, s in zip(arrays, shapes)]
-        return arrays[0] if len(arrays) == 1 else arrays
+def model_array(values: Any) -> np.ndarray:
+    """One column's values as the model takes them: floats as float32, integers kept.
 
-    out = (pick(ds.feature_cols, in_shapes), pick(ds.label_cols, out_shapes))
+    Integer (categorical) columns keep their dtype so that they reach Embedding layers
+    as ids, not as rounded floats.
+    """
+    array = np.asarray(values)
+    return array.astype(np.float32, copy=False) if array.dtype.kind == "f" else array
+
+
+def model_arrays(arrays: list[Any], shapes: list) -> np.ndarray | tuple[np.ndarray, ...]:
+    """Per-column arrays -> one array for one column, else a tuple (one per model input
+    or output, in column order), each reshaped to its ``shapes`` entry when it fits.
+
+    A tuple, not a list: Keras 3 builds ``model.fit``'s ``output_signature`` from a
+    generator's first batch and rejects a list there (``TypeError: output_signature must
+    contain objects that are subclass of tf.TypeSpec``); calling a model takes either.
+    """
+    # Columns beyond the model's known shapes still go through, so Keras names the mismatch.
+    shapes = [*shapes, *[None] * (len(arrays) - len(shapes))]
+    out = tuple(shaped(model_array(a), s) for a, s in zip(arrays, shapes))
+    return out[0] if len(out) == 1 else out
+
+
+def _xy(batch: dict, ds: Any, in_shapes: list, out_shapes: list) -> tuple:
+    """A reader batch -> ``(x, y)`` or ``(x, y, sample_weight)`` for ``model.fit``.
+
+    Args:
+        batch: Column name -> numpy array, rows first.
+        ds: The DatasetSpec (feature, label and sample-weight column names).
+        in_shapes: Per-row shape of each model input (None: leave the column as it is).
+        out_shapes: Per-row shape of each label (None: leave the column as it is).
+
+    Returns:
+        ``x`` and ``y`` are one array for one column, else a tuple of arrays in column
+        order (one per model input or output).
+    """
+    x = model_arrays([batch[c] for c in ds.feature_cols], list(in_shapes))
+    y = model_arrays([batch[c] for c in ds.label_cols], list(out_shapes))
+    out: tuple = (x, y)
     if ds.sample_weight_col:
         out += (np.asarray(batch[ds.sample_weight_col], np.float32),)
     return out
@@ -162,6 +195,7 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
     import tensorflow as tf
 
     import hvd_spark.tensorflow as hvd
+    from hvd_spark.estimator.keras_rates import KerasRates
 
     place_keras(spec.use_gpu, int(os.environ.get(LOCAL_RANK, "0")), tf)
     hvd.init()
@@ -177,7 +211,9 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
     def to_xy(batch):
         return _xy(batch, ds, in_shapes, out_shapes)
 
-    optimizer = keras.optimizers.deserialize(payload["optimizer"])
+    rates = KerasRates(payload["optimizer"],
+                       hvd.size() if spec.extra.get(lr_rule.PARAM) else 1)
+    optimizer = rates.optimizer
     history: list[dict] = []
     resume = spec.store.latest_checkpoint(spec.run_id) if spec.start_epoch > 0 else None
     if resume is not None:
@@ -194,6 +230,7 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
         dist_opt.build(model.trainable_variables)
         for var, value in zip(dist_opt.variables, pickle.loads(saved["optimizer"])):
             var.assign(value)
+        rates.restore(dist_opt, saved.get("learning_rate"))
     reader, val_reader = make_readers(spec, hvd.rank(), hvd.size())
     fit_kwargs: dict[str, Any] = {}
     if val_reader is not None:
@@ -209,7 +246,8 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
             if hvd.rank() == 0:
                 hist.report(record, spec.epochs, spec.verbose)
                 state = {"weights": self.model.get_weights(), "history": history,
-                         "optimizer": _optimizer_state(dist_opt)}
+                         "optimizer": _optimizer_state(dist_opt),
+                         "learning_rate": rates.user_rate(dist_opt)}
                 spec.store.save_checkpoint(spec.run_id, epoch, pickle.dumps(state))
 
     class FiniteLoss(keras.callbacks.Callback):
@@ -240,34 +278,43 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
 
     progress = [StepProgress()] if hvd.rank() == 0 else []
     with tempfile.TemporaryDirectory(prefix="hvd_spark_keras_") as workdir:
+        user = _user_callbacks(keras, payload, hvd.rank(), spec, workdir)
+        rates.adjust_callbacks(user, (hvd.callbacks.LearningRateScheduleCallback,
+                                      hvd.callbacks.LearningRateWarmupCallback))
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), FiniteLoss(),
-                     hvd.callbacks.MetricAverageCallback(), EpochEnd(), *progress,
-                     *_user_callbacks(keras, payload, hvd.rank(), spec, workdir)]
+                     hvd.callbacks.MetricAverageCallback(), EpochEnd(), *progress, *user]
         if spec.start_epoch < spec.epochs:
             model.fit(_forever(reader, spec.start_epoch, to_xy), epochs=spec.epochs,
                       initial_epoch=spec.start_epoch, steps_per_epoch=reader.steps_per_epoch,
                       callbacks=callbacks, verbose=0, shuffle=False, **fit_kwargs)
         if hvd.rank() != 0:
             return None
-        clean = keras.models.clone_model(model)  # without the distributed optimizer attached
+        # The shipped model, uncompiled: clone_model would recompile a functional model from
+        # its compile config, which fails on custom metrics or losses (functions by name).
+        clean = model_from_bytes(payload["model"], custom)
         clean.set_weights(_final_weights(keras, model, workdir, custom))
     sample_x = to_xy(next(iter(reader.epoch(0))))[0]
     outs = clean(sample_x, training=False)
     outs = outs if isinstance(outs, (list, tuple)) else [outs]
-    data = pickle.dumps({"model": model_to_bytes(clean), "custom_objects": custom})
+    # cloudpickle: custom objects defined in the user's __main__ (a notebook) came here by
+    # value and cannot be pickled by reference; pickle.loads still reads the result.
+    data = cloudpickle.dumps({"model": model_to_bytes(clean), "custom_objects": custom})
     return {"model": data, "history": history,
-            "optimizer": pickle.dumps(keras.optimizers.serialize(optimizer)),
+            "optimizer": pickle.dumps(rates.unscaled_config(dist_opt)),
             "output_shapes": [tuple(np.asarray(o).shape[1:]) for o in outs]}
 
 
 def _final_weights(keras, model, workdir: str, custom: dict) -> list:
-    """The checkpoint callback's saved weights when it wrote any, else the last epoch's."""
+    """The checkpoint callback's saved weights when it wrote any, else the last epoch's.
+
+    Training is over: the weights file is loaded into ``model`` itself (a clone_model copy
+    would recompile it, which fails on custom metrics and losses).
+    """
     weights_file = os.path.join(workdir, "checkpoint.weights.h5")
     model_file = os.path.join(workdir, "checkpoint.keras")
     if os.path.exists(weights_file):
-        copy = keras.models.clone_model(model)
-        copy.load_weights(weights_file)
-        return copy.get_weights()
+        model.load_weights(weights_file)
+        return model.get_weights()
     if os.path.exists(model_file):
         return keras.models.load_model(model_file, custom_objects=custom,
                                        compile=False).get_weights()
@@ -281,10 +328,7 @@ def keras_predictor(model_bytes: bytes):
     in_shapes = row_shapes(model.inputs)
 
     def predict(arrays: list[Any]) -> list:
-        inputs = [np.asarray(a, np.float32) if np.asarray(a).dtype.kind == "f" else np.asarray(a)
-                  for a in arrays]
-        inputs = [shaped(a, s) for a, s in zip(inputs, in_shapes)]
-        outs = model(inputs[0] if len(inputs) == 1 else inputs, training=False)
+        outs = model(model_arrays(list(arrays), in_shapes), training=False)
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
         return [np.asarray(o) for o in outs]
 

@@ -38,7 +38,9 @@ def _column_array(series) -> np.ndarray:
     """A pandas column of scalars or of arrays -> one numpy array, rows first."""
     first = series.iloc[0] if len(series) else None
     if isinstance(first, (list, np.ndarray)):
-        return np.stack([np.asarray(v, dtype=np.float32) for v in series])
+        stacked = np.stack([np.asarray(v) for v in series])
+        # Integer arrays (ids) keep their type, as in predict_columns and training.
+        return stacked if stacked.dtype.kind in "iu" else stacked.astype(np.float32)
     return series.to_numpy()
 
 
@@ -86,7 +88,12 @@ def predict_columns_pandas(df, feature_cols, output_cols, output_shapes, model_b
 
 
 def _float_leaves(data_type):
-    """``data_type`` with the numbers inside (nested) arrays made FloatType, else None."""
+    """``data_type`` with the fractional numbers inside (nested) arrays made FloatType,
+    else None.
+
+    Integer arrays are left alone: they are ids (an Embedding's input), which float32
+    would round above 2**24 and which torch's Embedding refuses as floats.
+    """
     from pyspark.sql import types as T
 
     if isinstance(data_type, T.ArrayType):
@@ -94,7 +101,7 @@ def _float_leaves(data_type):
         if isinstance(inner, T.ArrayType):
             leaf = _float_leaves(inner)
             return None if leaf is None else T.ArrayType(leaf, data_type.containsNull)
-        if isinstance(inner, T.NumericType):
+        if isinstance(inner, T.FractionalType):
             return T.ArrayType(T.FloatType(), data_type.containsNull)
     return None
 
@@ -102,8 +109,9 @@ def _float_leaves(data_type):
 def _with_array_inputs(df, feature_cols, float32: bool = False):
     """``df`` plus one hidden column per feature, Vectors turned into arrays in the JVM.
 
-    With ``float32``, array elements are cast to float in the JVM: the model gets float32
-    anyway (a cast rounds to nearest as numpy's does), and half the bytes cross to Python.
+    With ``float32``, fractional array elements are cast to float in the JVM: the model gets
+    float32 anyway (a cast rounds to nearest as numpy's does), and half the bytes cross to
+    Python. Integer arrays stay integers (see ``_float_leaves``).
     """
     from pyspark.ml.functions import vector_to_array
     from pyspark.ml.linalg import VectorUDT
@@ -117,6 +125,12 @@ def _with_array_inputs(df, feature_cols, float32: bool = False):
                           f"has {df.columns}")
     hidden = [f"__hvd_in_{i}" for i in range(len(feature_cols))]
     work = df
+    if _has_udt(df.schema):
+        # Spark 4.3 feeds an Arrow UDF the columnar batches of a Parquet scan directly and
+        # fails on any UDT column among them (UNSUPPORTED_DATATYPE: a Vector column, even one
+        # the model does not read). A filter that is always true but not deterministic stays
+        # in the plan and makes the UDF's input row-based, which handles UDTs.
+        work = work.filter(F.spark_partition_id() >= 0)
     for col, tmp in zip(feature_cols, hidden):
         data_type = df.schema[col].dataType
         if isinstance(data_type, VectorUDT):
@@ -127,6 +141,21 @@ def _with_array_inputs(df, feature_cols, float32: bool = False):
             value = F.col(col)
         work = work.withColumn(tmp, value)
     return work, hidden
+
+
+def _has_udt(data_type) -> bool:
+    """Whether a user-defined type (e.g. an ML Vector) is anywhere in ``data_type``."""
+    from pyspark.sql import types as T
+
+    if isinstance(data_type, T.UserDefinedType):
+        return True
+    if isinstance(data_type, T.StructType):
+        return any(_has_udt(f.dataType) for f in data_type.fields)
+    if isinstance(data_type, T.ArrayType):
+        return _has_udt(data_type.elementType)
+    if isinstance(data_type, T.MapType):
+        return _has_udt(data_type.keyType) or _has_udt(data_type.valueType)
+    return False
 
 
 def _output_struct(output_cols, output_shapes):
@@ -143,8 +172,9 @@ def _output_struct(output_cols, output_shapes):
 def arrow_to_numpy(array, column: str) -> np.ndarray:
     """One Arrow column -> one numpy array, rows first, without a Python step per row.
 
-    Scalars keep their type; (nested) lists become float32 of shape ``(rows, width, ...)``
-    read from the flat value buffer, as the row-by-row path stacked them.
+    Scalars keep their type; (nested) lists become arrays of shape ``(rows, width, ...)``
+    read from the flat value buffer: float32 (as the row-by-row path stacked them), but
+    integer lists keep their integer type, as training's reader gives them.
 
     Raises:
         DataError: A row is null, or rows hold lists of different lengths.
@@ -174,7 +204,9 @@ def arrow_to_numpy(array, column: str) -> np.ndarray:
                             "its arrays; fill them before transform")
     if not shape:
         return array.to_numpy(zero_copy_only=False)
-    values = array.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    values = array.to_numpy(zero_copy_only=False)
+    if values.dtype.kind not in "iu":
+        values = values.astype(np.float32, copy=False)
     return values.reshape(rows, *shape)
 
 
