@@ -1,7 +1,8 @@
 """Data layer: Stores, DataFrame -> Parquet (driver) and sharded batch reading (workers).
 
 ``prepare_data`` (the only pyspark user) is imported lazily so that workers importing
-``hvd_spark.data`` for the reader never load pyspark. Horovod's context-manager
+``hvd_spark.data`` for the reader never load pyspark; so is ``make_converter`` (petastorm's
+``make_spark_converter`` for ``run()``, in ``converter``). Horovod's context-manager
 ``prepare_data`` (``horovod.spark.common.util``) is ``hvd_spark.data.dataset_index``'s.
 """
 
@@ -23,7 +24,7 @@ from hvd_spark.data.store import (
 __all__ = [
     "AbstractFilesystemStore", "ColumnSpec", "DatasetSpec", "DBFSLocalStore", "FilesystemStore",
     "HDFSStore", "LocalStore", "ShardReader", "SplitSpec", "Store", "as_tf_dataset", "as_torch",
-    "prepare_data",
+    "Converter", "make_converter", "prepare_data",
 ]
 
 
@@ -36,4 +37,8 @@ def __getattr__(name: str) -> Any:
         from hvd_spark.data import adapters
 
         return getattr(adapters, name)
+    if name in ("make_converter", "Converter"):
+        from hvd_spark.data import converter
+
+        return getattr(converter, name)
     raise AttributeError(f"module 'hvd_spark.data' has no attribute {name!r}")
