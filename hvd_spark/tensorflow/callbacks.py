@@ -42,7 +42,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         variables = list(self.model.variables)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
-            variables += list(optimizer.variables)
+            # Gradient accumulators (backward_passes_per_step > 1) hold this rank's own
+            # gradients of the current step, which the reduction averages: never root's.
+            inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+            own = {id(v) for opt in (optimizer, inner)
+                   for v in getattr(opt, "_accumulated_gradients", None) or ()}
+            variables += [v for v in optimizer.variables if id(v) not in own]
         return [v for v in variables if id(v) not in self._local]
 
     def _broadcast(self) -> None:
