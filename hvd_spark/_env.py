@@ -32,6 +32,9 @@ ADVERTISE_ADDR = "HVD_SPARK_ADVERTISE_ADDR"
 # Set by hvd_spark.run's Spark tasks: the comma-separated GPU addresses Spark gave the
 # task ("" for none); the rank has no TaskContext of its own (hvd_spark.task reads it).
 TASK_GPUS = "HVD_SPARK_TASK_GPUS"
+# Set with them when the rank's GPU is known: the CUDA device index of the rank's own GPU
+# under its CUDA_VISIBLE_DEVICES (hvd_spark.task.device_index; the Estimators pin it).
+GPU_INDEX = "HVD_SPARK_GPU_INDEX"
 
 # The launcher variables whose absence means "no launcher: a one-rank job".
 LAUNCHER_VARS = (RANK, SIZE, RENDEZVOUS_ADDR, SECRET)
@@ -286,8 +289,9 @@ _ALWAYS_WHY = {
     "HOROVOD_NUM_NCCL_STREAMS": "the NCCL path uses one stream per device",
     "HOROVOD_CCL_CACHE": "there is no oneCCL backend",
     "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "Adasum gathers whole tensors; it is not chunked",
-    "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "hvd_spark.run(use_gpu=True) gives each rank its "
-                                              "task's GPUs",
+    "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX": "hvd_spark.run(use_gpu=True) orders each host's "
+                                              "GPUs so that device local_rank is the rank's own; "
+                                              "the Estimators pin HVD_SPARK_GPU_INDEX",
     "HOROVOD_SPARK_WORK_DIR": "hvd_spark.run needs no work directory",
     "HOROVOD_SPARK_PYTHONPATH": "ranks inherit the executor's Python path",
 }

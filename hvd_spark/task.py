@@ -12,7 +12,7 @@ import os
 
 from hvd_spark import _env
 
-__all__ = ["get_available_devices"]
+__all__ = ["device_index", "get_available_devices"]
 
 
 def _addresses(value: str) -> list[str]:
@@ -34,10 +34,11 @@ def get_available_devices() -> list[str]:
 
     Under ``hvd_spark.run`` these are the addresses Spark's GPU scheduling gave the rank's
     task (``TaskContext.resources()["gpu"].addresses``): the machine's numbering, e.g.
-    ``["2"]``. ``hvd_spark.run(use_gpu=True)`` (the default when Spark schedules GPUs) also
-    limits the rank's ``CUDA_VISIBLE_DEVICES`` to them, so inside the rank they are CUDA
-    devices ``0 .. n-1``: pin ``0``, or pass ``use_gpu=False`` to leave the executor's
-    ``CUDA_VISIBLE_DEVICES`` alone as Horovod does, where an address is a device index.
+    ``["2"]``. ``hvd_spark.run(use_gpu=True)`` (the default when Spark schedules GPUs) shows
+    the ranks of a host that host's GPUs of the job as ``CUDA_VISIBLE_DEVICES``, the rank's
+    own first at device ``local_rank`` (or :func:`device_index` where ranks share a GPU);
+    ``use_gpu=False`` leaves the executor's ``CUDA_VISIBLE_DEVICES`` alone as Horovod does,
+    where an address is a device index.
 
     Returns:
         Under a Spark task: its GPU addresses (``[]`` when Spark scheduled none). Elsewhere
@@ -48,3 +49,20 @@ def get_available_devices() -> list[str]:
     if value is not None:
         return _addresses(value)
     return _cuda_visible(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+
+def device_index() -> int | None:
+    """The CUDA device index of this rank's own GPU, for ``torch.cuda.set_device``.
+
+    ``hvd.local_rank()`` is that index under ``hvd_spark.run(use_gpu=True)`` when every
+    rank of a host has a GPU of its own; this is it in every case, also where ranks share
+    a GPU (``spark.task.resource.gpu.amount`` < 1: both see it once, at one index) and
+    under ``run_elastic`` (the rank keeps the executor's devices and its local rank
+    changes as the ring re-forms). Where the rank holds several GPUs, this is its first.
+
+    Returns:
+        ``HVD_SPARK_GPU_INDEX`` as set by the Spark launchers for a rank whose task has a
+        GPU; None elsewhere (no GPU, ``use_gpu=False``, ``hvdrun``: use ``local_rank``).
+    """
+    value = os.environ.get(_env.GPU_INDEX, "").strip()
+    return int(value) if value.isdigit() else None

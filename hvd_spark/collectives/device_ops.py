@@ -15,7 +15,7 @@ from typing import Any
 
 from hvd_spark.collectives import api
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives.nccl import arrays, streams
+from hvd_spark.collectives.nccl import arrays, library, selection, streams
 from hvd_spark.collectives.nccl.device import DeviceAwareCommunicator
 from hvd_spark.collectives.operations import Handle
 from hvd_spark.collectives.ops import ReduceOp, check_reduction
@@ -24,9 +24,26 @@ from hvd_spark.errors import CollectiveArgumentError
 
 
 def enabled() -> bool:
-    """True when this job's collectives accept device arrays (a device path is set up)."""
+    """True when this job's collectives accept device arrays (a device path is set up and
+    cupy loads).
+
+    Asked for CUDA tensors: a False for want of cupy (not installed, or failing to load)
+    sends them through host memory, said once in a warning on rank 0 naming the package;
+    ``HVD_SPARK_GPU_BACKEND=host`` asks for that and stays quiet.
+    """
     engine = api._engine
-    return engine is not None and isinstance(engine.comm, DeviceAwareCommunicator)
+    if engine is None:
+        return False
+    if selection.gpu_backend_setting() == selection.HOST:
+        return False
+    problem = library.cupy_problem()
+    if problem is None and not isinstance(engine.comm, DeviceAwareCommunicator):
+        problem = "no device path was set up when the engine started"
+    if problem is None:
+        return True
+    if engine.comm.rank == 0:
+        library.warn_host_staging(problem)
+    return False
 
 
 class DeviceHandle:
@@ -54,8 +71,6 @@ class DeviceHandle:
 def _on(device_id: int) -> Iterator[None]:
     """The caller's cupy work on the tensors' device and the collective stream (ordered
     after the producer's event already waited for)."""
-    from hvd_spark.collectives.nccl import library
-
     with library.cupy().cuda.Device(device_id), streams.collective_stream(device_id):
         yield
 

@@ -48,7 +48,8 @@ class SparkBackend(Backend):
         prefix_output_with_timestamp: Start each forwarded line with the time.
         verbose: 0 quiet, 1 the start and end of the run, 2 also timings.
         start_timeout: Seconds for every task to start and the ranks to connect.
-        use_gpu: Give each rank its task's GPUs; default: when Spark schedules GPUs.
+        use_gpu: Show each rank its host's GPUs of the job, its own at ``local_rank``
+            (``hvd_spark.run``'s); default: when Spark schedules GPUs.
         **run_kwargs: Any other keyword of ``hvd_spark.run`` (Horovod's ``use_gloo``,
             ``use_mpi``, ``extra_mpi_args``, ``nics``, ``executable`` included).
     """

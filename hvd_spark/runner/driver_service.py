@@ -19,6 +19,7 @@ from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import worker
 from hvd_spark.runner.failures import WorkerFailure
+from hvd_spark.runner.gpu_mapping import place_gpus
 from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.progress_events import PROGRESS
@@ -63,6 +64,7 @@ class DriverService:
         self._advertise_host = advertise_host
         self._cond = threading.Condition()
         self._slots: dict[int, TaskSlot] = {}
+        self._gpus: dict[int, tuple[str, ...]] = {}
         self._assignment: dict[int, RankInfo] | None = None
         self._stopped = False
         self.server = StoreServer(secret, bind_host, {
@@ -99,8 +101,10 @@ class DriverService:
         with self._cond:
             return dict(self._assignment or {})
 
-    def _on_register(self, partition: int, host: str, timeout: float) -> RankInfo:
-        # Blocks the task until every task has registered, then returns its rank.
+    def _on_register(self, partition: int, host: str, timeout: float,
+                     gpus: tuple[str, ...] = ()) -> RankInfo:
+        # Blocks the task until every task has registered, then returns its rank and, with
+        # ``gpus`` (its Spark GPU addresses), its host's GPU order (gpu_mapping).
         with self._cond:
             if self._stopped:
                 raise HvdSparkError("this run was already stopped; the task is not needed")
@@ -109,14 +113,17 @@ class DriverService:
                     f"the task of partition {partition} registered twice (was it retried?); "
                     "a run is not restarted by Spark: call hvd_spark.run again")
             self._slots[partition] = TaskSlot(partition, host)
+            self._gpus[partition] = tuple(gpus)
             now = time.time()
             self.first_registered_at = self.first_registered_at or now
             if len(self._slots) == self.num_proc:
-                self._assignment = assign_ranks(list(self._slots.values()))
+                self._assignment = place_gpus(assign_ranks(list(self._slots.values())),
+                                              self._gpus)
                 self.all_registered_at = now
                 log.info("hvd_spark.run: ranks assigned: %s", ", ".join(
-                    f"{i.rank} on {i.host} (local {i.local_rank})" for i in
-                    sorted(self._assignment.values(), key=lambda i: i.rank)))
+                    f"{i.rank} on {i.host} (local {i.local_rank}"
+                    + (f", GPU {','.join(self._gpus[i.partition])}" if i.host_gpus else "")
+                    + ")" for i in sorted(self._assignment.values(), key=lambda i: i.rank)))
                 self._cond.notify_all()
             deadline = time.monotonic() + timeout
             while self._assignment is None and not self._stopped:

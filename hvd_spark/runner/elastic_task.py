@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -24,12 +23,14 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.errors import HvdSparkError
 from hvd_spark.runner.elastic_driver import DESCRIBE
-from hvd_spark.runner.spark_task import connect_to_driver
+from hvd_spark.runner.gpu_mapping import index_in_visible
+from hvd_spark.runner.spark_task import connect_to_driver, task_host
 from hvd_spark.runner.task_process import (
     DRAIN_S,
     LogSender,
     reap_worker,
     start_worker,
+    task_gpu_addresses,
     watch_stop,
 )
 
@@ -61,12 +62,25 @@ class ElasticTaskSpec:
 
 
 def worker_env(base: dict[str, str], spec: ElasticTaskSpec, worker: str,
-               host: str) -> dict[str, str]:
-    """The environment of an elastic worker process: no rank, a worker id to join with."""
+               host: str, task_gpus: list[str] | None = None) -> dict[str, str]:
+    """The environment of an elastic worker process: no rank, a worker id to join with.
+
+    ``task_gpus`` (when not None) are the task's Spark GPU addresses, for
+    ``hvd_spark.task.get_available_devices``. The worker keeps the executor's
+    ``CUDA_VISIBLE_DEVICES``: its local rank changes as the ring re-forms, so no host
+    order could put its GPU at ``local_rank`` for good; ``HVD_SPARK_GPU_INDEX`` says where
+    its first GPU is (``gpu_mapping.index_in_visible``).
+    """
     env = {**base, **spec.env}
     for var in (_env.RANK, _env.SIZE, _env.LOCAL_RANK, _env.LOCAL_SIZE, _env.CROSS_RANK,
-                _env.CROSS_SIZE):
+                _env.CROSS_SIZE, _env.GPU_INDEX):
         env.pop(var, None)
+    if task_gpus is not None:
+        env[_env.TASK_GPUS] = ",".join(task_gpus)
+        index = (index_in_visible(task_gpus[0], env.get("CUDA_VISIBLE_DEVICES"))
+                 if task_gpus else None)
+        if index is not None:
+            env[_env.GPU_INDEX] = str(index)
     env.setdefault(_env.START_TIMEOUT, str(spec.start_timeout))
     env.update({
         _env.ELASTIC: "1",
@@ -97,9 +111,13 @@ def executor_label() -> str:
     return ""
 
 
-def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int) -> int:
-    """Host worker ``<partition>.<attempt>`` until it ends; return its exit code."""
-    host = socket.gethostname()
+def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int,
+               task_gpus: list[str] | None = None) -> int:
+    """Host worker ``<partition>.<attempt>`` until it ends; return its exit code.
+
+    ``task_gpus``: the GPU addresses Spark gave the task (see :func:`worker_env`).
+    """
+    host = task_host()
     worker = f"{partition}.{attempt}"
     client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
     proc: subprocess.Popen | None = None
@@ -107,7 +125,7 @@ def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int) -> int:
         label = executor_label()
         if label:
             client.call(DESCRIBE, worker, label, timeout=wire.HANDSHAKE_TIMEOUT_S)
-        proc = start_worker(worker_env(dict(os.environ), spec, worker, host))
+        proc = start_worker(worker_env(dict(os.environ), spec, worker, host, task_gpus))
         # Output lines carry the partition: the worker's rank changes as the ring re-forms.
         sender = LogSender(client, partition)
         sender.follow(proc.stdout, proc.stderr)
@@ -135,7 +153,8 @@ def arrow_task(spec: ElasticTaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
         pass
     context = TaskContext.get()
     partition = context.partitionId()
-    returncode = run_worker(spec, partition, context.attemptNumber())
+    returncode = run_worker(spec, partition, context.attemptNumber(),
+                            task_gpu_addresses(context))
     yield pa.RecordBatch.from_pydict(
         {"partition": [partition], "returncode": [returncode]},
         schema=pa.schema([("partition", pa.int64()), ("returncode", pa.int64())]),

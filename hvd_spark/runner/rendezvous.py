@@ -41,6 +41,9 @@ class RankInfo:
         local_rank, local_size: Rank among the ranks on this host, and their number.
         cross_rank, cross_size: Index of this host among the hosts having a rank with
             this ``local_rank``, and their number.
+        host_gpus: The GPU addresses of the job's tasks on this host, in CUDA device order
+            (``gpu_mapping.host_gpu_order``); empty without GPU scheduling.
+        gpu_index: Index in ``host_gpus`` of the rank's own (first) GPU; None without one.
     """
 
     partition: int
@@ -51,6 +54,8 @@ class RankInfo:
     local_size: int
     cross_rank: int
     cross_size: int
+    host_gpus: tuple[str, ...] = ()
+    gpu_index: int | None = None
 
 
 def assign_ranks(slots: Sequence[TaskSlot]) -> dict[int, RankInfo]:

@@ -94,15 +94,24 @@ def task_slots(sc: Any) -> int:
 
 
 def resolve_use_gpu(sc: Any, use_gpu: bool | None) -> bool:
-    """``use_gpu=None`` means: if Spark schedules GPUs to tasks."""
+    """``use_gpu=None`` means: if Spark schedules GPUs to tasks.
+
+    Raises:
+        ConfigError: ``use_gpu=True`` on a session that schedules no GPUs (checked before
+            anything starts), naming the Spark settings that would.
+    """
     amount = _conf(sc, "spark.task.resource.gpu.amount", "")
     if use_gpu is None:
         return bool(amount)
     if use_gpu and not amount:
         raise ConfigError(
-            "use_gpu=True but Spark does not schedule GPUs to tasks: set "
-            "spark.task.resource.gpu.amount (and spark.executor.resource.gpu.amount with a "
-            "discovery script), or pass use_gpu=False")
+            "hvd_spark.run(use_gpu=True), but this Spark session schedules no GPUs to tasks "
+            "(spark.task.resource.gpu.amount is not set), so no rank would know its GPU: "
+            "start the session with spark.executor.resource.gpu.amount (GPUs per executor), "
+            "spark.executor.resource.gpu.discoveryScript (a script printing the executor's "
+            "GPU addresses, e.g. Spark's getGpusResources.sh) and "
+            "spark.task.resource.gpu.amount (GPUs per task: 1, or 0.5 to share one), or pass "
+            "use_gpu=False to run without GPUs")
     return use_gpu
 
 

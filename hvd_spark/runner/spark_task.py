@@ -48,7 +48,8 @@ class TaskSpec:
         secret: The run's secret.
         start_timeout: Seconds to wait for all tasks to register and the ranks to connect.
         env: User variables added to each rank's environment.
-        use_gpu: Give the child the task's GPUs as CUDA_VISIBLE_DEVICES.
+        use_gpu: Show the child its host's GPUs of this job as CUDA_VISIBLE_DEVICES, its own
+            at index ``local_rank`` (``gpu_mapping``).
         run_id: Identifies the run in logs.
     """
 
@@ -67,10 +68,13 @@ def child_env(
     """The environment of a rank's process: executor's + user's + the rank's variables
     (ours, and Horovod's and torch's names for them).
 
-    ``gpus`` (when not None) becomes ``CUDA_VISIBLE_DEVICES``; ``task_gpus`` (when not
+    ``gpus`` (when not None) becomes ``CUDA_VISIBLE_DEVICES``, with ``info.gpu_index`` as
+    ``HVD_SPARK_GPU_INDEX`` and CUDA numbering devices as ``nvidia-smi`` (and so Spark's
+    discovery scripts) do, unless the executor says otherwise; ``task_gpus`` (when not
     None) are the task's Spark GPU addresses, for ``hvd_spark.task.get_available_devices``.
     """
     env = {**base, **spec.env}
+    env.pop(_env.GPU_INDEX, None)  # only this rank's own index may reach it
     env.setdefault(_env.START_TIMEOUT, str(spec.start_timeout))
     env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
                                    info.cross_rank, info.cross_size, info.host))
@@ -82,6 +86,10 @@ def child_env(
     })
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        # CUDA's default order is fastest first; Spark's addresses are nvidia-smi's indices.
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        if gpus and info.gpu_index is not None:
+            env[_env.GPU_INDEX] = str(info.gpu_index)
     if task_gpus is not None:
         # Set even when empty: "Spark gave no GPUs" must not fall back to CUDA_VISIBLE_DEVICES.
         env[_env.TASK_GPUS] = ",".join(task_gpus)
@@ -108,19 +116,34 @@ def connect_to_driver(driver_addr: str, secret: bytes, start_timeout: float,
         ) from exc
 
 
-def run_task(spec: TaskSpec, partition: int, gpus: list[str] | None,
-             task_gpus: list[str] | None = None) -> int:
+def rank_gpus(spec: TaskSpec, info: RankInfo) -> list[str] | None:
+    """The rank's ``CUDA_VISIBLE_DEVICES`` entries: its host's GPUs of this job with
+    ``use_gpu`` (none when its own task has none), None (the executor's) without."""
+    if not spec.use_gpu:
+        return None
+    return list(info.host_gpus) if info.gpu_index is not None else []
+
+
+def task_host() -> str:
+    """The name the task registers its host by: ``HVD_SPARK_HOSTNAME`` when the executor's
+    environment sets it (as the ranks read it), else the machine's host name."""
+    return _env.get_str(_env.HOSTNAME) or socket.gethostname()
+
+
+def run_task(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
     """Run one rank of the job for ``partition``; return its process's exit code.
 
-    ``gpus`` and ``task_gpus`` are :func:`child_env`'s.
+    ``task_gpus``: the GPU addresses Spark gave this task, sent to the driver at
+    registration (which answers with the host's GPU order) and passed to the rank.
     """
-    host = socket.gethostname()
+    host = task_host()
     client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
     try:
         try:
-            info: RankInfo = client.call(
-                REGISTER, partition, host, spec.start_timeout, timeout=spec.start_timeout)
-            proc = start_worker(child_env(dict(os.environ), spec, info, gpus, task_gpus))
+            info: RankInfo = client.call(REGISTER, partition, host, spec.start_timeout,
+                                         tuple(task_gpus), timeout=spec.start_timeout)
+            proc = start_worker(child_env(dict(os.environ), spec, info,
+                                          rank_gpus(spec, info), task_gpus))
         except Exception as exc:  # noqa: BLE001 - reported to the driver, then re-raised
             with contextlib.suppress(Exception):
                 client.call(TASK_ERROR, partition, WorkerFailure.from_exception(
@@ -145,10 +168,6 @@ def run_task(spec: TaskSpec, partition: int, gpus: list[str] | None,
         client.close()
 
 
-def _task_gpus(context: Any, use_gpu: bool) -> list[str] | None:
-    return task_gpu_addresses(context) if use_gpu else None
-
-
 def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
     """``mapInArrow(..., barrier=True)`` body: one row (partition, returncode) per task."""
     import pyarrow as pa
@@ -158,8 +177,7 @@ def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
         pass
     context = BarrierTaskContext.get()
     partition = context.partitionId()
-    returncode = run_task(spec, partition, _task_gpus(context, spec.use_gpu),
-                          task_gpu_addresses(context))
+    returncode = run_task(spec, partition, task_gpu_addresses(context))
     yield pa.RecordBatch.from_pydict(
         {"partition": [partition], "returncode": [returncode]},
         schema=pa.schema([("partition", pa.int64()), ("returncode", pa.int64())]),
@@ -174,5 +192,4 @@ def rdd_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[tuple[int, int]]:
         pass
     context = BarrierTaskContext.get()
     partition = context.partitionId()
-    yield partition, run_task(spec, partition, _task_gpus(context, spec.use_gpu),
-                              task_gpu_addresses(context))
+    yield partition, run_task(spec, partition, task_gpu_addresses(context))

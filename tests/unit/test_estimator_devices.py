@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import types
+import warnings
 
+import pytest
 import torch
 
+from hvd_spark import _env
+from hvd_spark.estimator import devices
 from hvd_spark.estimator.keras_worker import place_keras
 from hvd_spark.estimator.torch_worker import training_device
 
@@ -45,3 +49,88 @@ def test_place_keras_shows_one_gpu_or_none():
     none = _FakeTfConfig([])
     place_keras(True, 0, types.SimpleNamespace(config=none))  # no GPU: the CPU, no error
     assert none.visible == ([], "GPU") and none.growth == []
+
+
+class _FakeCuda:
+    """torch.cuda over ``count`` devices: set_device refuses an index CUDA would refuse."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.current = count, None
+
+    def is_available(self) -> bool:
+        return self.count > 0
+
+    def device_count(self) -> int:
+        return self.count
+
+    def set_device(self, index: int) -> None:
+        if not 0 <= index < self.count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+        self.current = index
+
+
+def _fake_torch(count: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(device=torch.device, cuda=_FakeCuda(count), __version__="x",
+                                 version=types.SimpleNamespace(cuda="12"))
+
+
+@pytest.fixture
+def no_index(monkeypatch):
+    monkeypatch.delenv(_env.GPU_INDEX, raising=False)
+    monkeypatch.setattr(devices, "_seen", None)
+    return monkeypatch
+
+
+def test_the_estimators_pin_the_gpu_spark_assigned(no_index):
+    # Two ranks sharing the host's second GPU: local rank 2 is device 1, not device 2 % 2.
+    no_index.setenv(_env.GPU_INDEX, "1")
+    fake = _fake_torch(2)
+    assert training_device(True, 2, fake) == torch.device("cuda", 1) and fake.cuda.current == 1
+    cfg = _FakeTfConfig(["gpu0", "gpu1"])
+    place_keras(True, 2, types.SimpleNamespace(config=cfg))
+    assert cfg.visible == (["gpu1"], "GPU")
+    assert devices._seen is True
+
+
+def test_without_an_assigned_index_local_rank_picks(no_index):
+    fake = _fake_torch(2)
+    assert training_device(True, 3, fake) == torch.device("cuda", 1)
+    no_index.setenv(_env.GPU_INDEX, "5")  # more than the rank sees (its own code hid some)
+    assert training_device(True, 0, fake) == torch.device("cuda", 0)
+
+
+def test_the_ranks_report_whether_they_saw_a_gpu(no_index):
+    def worker(spec, payload):
+        return {"model": payload, "device": str(training_device(spec, 0, _fake_torch(0)))}
+
+    report = devices.run_reporting(worker, True, "m")
+    assert report == devices.RankReport({"model": "m", "device": "cpu"}, False)
+    assert devices.run_reporting(worker, False, "m").gpu_seen is None  # use_gpu=False: quiet
+    results, seen = devices.unwrap([report, devices.RankReport(None, True), "plain"])
+    assert results == [{"model": "m", "device": "cpu"}, None, "plain"]
+    assert seen == [False, True, None]
+
+
+def test_the_driver_warns_once_when_gpus_were_asked_for_and_none_was_seen():
+    with pytest.warns(UserWarning) as caught:
+        assert devices.warn_if_no_gpu("TorchEstimator", True, [False, False])
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert text.startswith("TorchEstimator(use_gpu=True): none of the 2 ranks saw a GPU")
+    for name in ("spark.executor.resource.gpu.amount", "spark.task.resource.gpu.amount",
+                 "discoveryScript", "use_gpu=False"):
+        assert name in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning below fails the test
+        assert not devices.warn_if_no_gpu("TorchEstimator", False, [False, False])  # default
+        assert not devices.warn_if_no_gpu("TorchEstimator", True, [False, True])
+        assert not devices.warn_if_no_gpu("TorchEstimator", True, [False, None])
+        assert not devices.warn_if_no_gpu("TorchEstimator", True, [])
+
+
+def test_only_an_explicit_use_gpu_counts_as_asked():
+    from hvd_spark.estimator import TorchEstimator
+
+    assert not TorchEstimator().isSet("use_gpu")  # Horovod's default: no warning
+    assert TorchEstimator(use_gpu=True).isSet("use_gpu")
+    assert TorchEstimator().setUseGpu(True).isSet("use_gpu")

@@ -46,15 +46,21 @@ def test_use_gpu_defaults_to_spark_gpu_scheduling():
     assert spark_launcher.resolve_use_gpu(_sc("local[2]"), None) is False
     gpu_sc = _sc("local[2]", spark_task_resource_gpu_amount="1")
     assert spark_launcher.resolve_use_gpu(gpu_sc, None) is True
-    with pytest.raises(ConfigError, match="spark.task.resource.gpu.amount"):
+    with pytest.raises(ConfigError) as err:
         spark_launcher.resolve_use_gpu(_sc("local[2]"), True)
+    # What to set, all three, and the way out.
+    for name in ("spark.executor.resource.gpu.amount", "spark.executor.resource.gpu."
+                 "discoveryScript", "spark.task.resource.gpu.amount", "use_gpu=False"):
+        assert name in str(err.value)
+    assert spark_launcher.resolve_use_gpu(_sc("local[2]"), False) is False
 
 
-def test_task_gpus_come_from_the_task_resources():
-    gpu = types.SimpleNamespace(addresses=["2", "3"])
-    context = types.SimpleNamespace(resources=lambda: {"gpu": gpu})
-    assert spark_task._task_gpus(context, True) == ["2", "3"]
-    assert spark_task._task_gpus(context, False) is None
+def test_use_gpu_shows_the_rank_its_hosts_gpus_and_nothing_without():
+    info = types.SimpleNamespace(host_gpus=("2", "3"), gpu_index=1)
+    spec = spark_task.TaskSpec("h:1", b"k" * 32, 30.0, {}, True, "run1")
+    assert spark_task.rank_gpus(spec, info) == ["2", "3"]
+    off = spark_task.TaskSpec("h:1", b"k" * 32, 30.0, {}, False, "run1")
+    assert spark_task.rank_gpus(off, info) is None  # the executor's CUDA_VISIBLE_DEVICES
 
 
 def test_driver_address_is_loopback_locally_and_driver_host_on_a_cluster():

@@ -14,7 +14,7 @@ from hvd_spark import _env
 from hvd_spark.runner.rendezvous import TaskSlot, assign_ranks
 from hvd_spark.runner.spark_task import TaskSpec, child_env
 from hvd_spark.runner.task_process import task_gpu_addresses
-from hvd_spark.task import get_available_devices
+from hvd_spark.task import device_index, get_available_devices
 
 
 @pytest.fixture
@@ -50,6 +50,15 @@ def test_outside_spark_cuda_visible_devices_is_the_list(clean_env):
 
 def test_nothing_set_means_no_devices(clean_env):
     assert get_available_devices() == []
+
+
+def test_the_ranks_own_device_index(clean_env):
+    clean_env.delenv(_env.GPU_INDEX, raising=False)
+    assert device_index() is None  # hvdrun, no GPU, use_gpu=False: local_rank is the rule
+    clean_env.setenv(_env.GPU_INDEX, "2")
+    assert device_index() == 2
+    clean_env.setenv(_env.GPU_INDEX, "")
+    assert device_index() is None
 
 
 def test_the_package_exports_it_lazily():

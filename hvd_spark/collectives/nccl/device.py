@@ -79,6 +79,8 @@ class DeviceAwareCommunicator(Communicator):
         nccl_ok = all(flag == "1" for _, _, flag in facts)
         self.plan = plan = selection.plan(self.rank, devices, self.setting, nccl_ok=nccl_ok)
         log.info("rank %d: CUDA tensors go by %s (%s)", self.rank, plan.mode, plan.reason)
+        if plan.mode == selection.HOST and self.setting != selection.HOST and self.rank == 0:
+            library.warn_host_staging(_staging_problem(plan, facts))
         # The engine thread's cupy work (packing, scaling, outputs, staging copies) goes to
         # the tensors' device, on the collective stream: after the producers' events, before
         # the consumers'. (cupy's current device is per thread; torch's set_device is not it.)
@@ -146,6 +148,16 @@ class DeviceAwareCommunicator(Communicator):
                 self._device.close()
         finally:
             self.host.close()
+
+
+def _staging_problem(plan: selection.DevicePlan, facts: list[list[str]]) -> str:
+    """Why the plan stages through the host, naming the ranks that lack NCCL and, where
+    this rank is one of them, its own import error."""
+    missing = [r for r, (_, _, flag) in enumerate(facts) if flag != "1"]
+    if not missing:
+        return plan.reason
+    mine = library.nccl_problem() if 0 in missing else None
+    return f"NCCL cannot be loaded on rank(s) {missing}" + (f" (rank 0: {mine})" if mine else "")
 
 
 def wrap(host: Communicator, hostname: str) -> Communicator:

@@ -11,9 +11,16 @@ import functools
 import importlib
 import importlib.util
 import logging
+import threading
+import warnings
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+#: What to install for the device path (the ``gpu`` extra), named in the fallback warning.
+GPU_PACKAGES = "pip install 'hvd-spark[gpu]': cupy-cuda12x and nvidia-nccl-cu12"
+_warn_lock = threading.Lock()
+_warned = False
 
 
 def cupy_installed() -> bool:
@@ -64,3 +71,52 @@ def nccl_version() -> int:
     except Exception as exc:  # noqa: BLE001 - absent or broken NCCL both mean 0
         log.debug("NCCL is not available: %s", exc)
         return 0
+
+
+@functools.lru_cache(maxsize=1)
+def cupy_problem() -> str | None:
+    """Why cupy cannot carry CUDA tensors in this process; None when it loads.
+
+    Tried once per process (a failed import is not retried on every tensor).
+    """
+    if not cupy_installed():
+        return "cupy is not installed"
+    try:
+        cupy()
+    except Exception as exc:  # noqa: BLE001 - ImportError, or CUDA runtime errors on load
+        return f"cupy cannot be loaded ({type(exc).__name__}: {exc})"
+    return None
+
+
+def nccl_problem() -> str | None:
+    """Why NCCL cannot be loaded in this process; None when it loads."""
+    try:
+        nccl().get_version()
+    except Exception as exc:  # noqa: BLE001 - absent or broken NCCL alike
+        return f"NCCL cannot be loaded ({type(exc).__name__}: {exc})"
+    return None
+
+
+def warn_host_staging(problem: str) -> bool:
+    """Say once per process, visibly, that CUDA tensors go through host memory and why.
+
+    A ``UserWarning`` (printed on the rank's stderr, which the launchers forward to the
+    driver), not a log record: nobody need configure logging to see it.
+
+    Args:
+        problem: What is missing, naming the package (e.g. "cupy is not installed").
+
+    Returns:
+        Whether this call warned (False after the first time).
+    """
+    global _warned
+    with _warn_lock:
+        if _warned:
+            return False
+        _warned = True
+    warnings.warn(
+        f"hvd_spark: CUDA tensors are staged through host memory, which is slower: {problem}. "
+        f"For NCCL and CUDA IPC install the gpu extra ({GPU_PACKAGES}); "
+        "HVD_SPARK_GPU_BACKEND=host chooses host staging without this warning.",
+        UserWarning, stacklevel=3)
+    return True
