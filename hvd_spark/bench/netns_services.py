@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from hvd_spark.bench.netns_hosts import (
@@ -36,13 +36,17 @@ class SparkStandalone:
         cores: Task slots (worker cores) per host.
         worker_memory: Memory each worker offers its executor.
         workdir: Where logs and the workers' directories go (a temporary one if None).
+        worker_conf: Spark properties for every worker (its ``--properties-file``), e.g.
+            ``spark.worker.resource.gpu.*``.
     """
 
     def __init__(self, hosts: NetnsHosts, cores: int = 1, worker_memory: str = "1g",
-                 workdir: str | None = None) -> None:
+                 workdir: str | None = None,
+                 worker_conf: Mapping[str, str] | None = None) -> None:
         self.hosts = hosts
         self.cores = cores
         self.worker_memory = worker_memory
+        self.worker_conf = dict(worker_conf or {})
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="hvd-multihost-")
         self.master_url = ""
@@ -76,6 +80,12 @@ class SparkStandalone:
         # A loaded machine can take longer to start a JVM than the driver and the
         # workers retry registering: wait until the master listens.
         self._wait_listening(addr, port, "master")
+        extra: list[str] = []
+        if self.worker_conf:
+            props = os.path.join(self.workdir, "worker.properties")
+            with open(props, "w") as f:
+                f.writelines(f"{key}={value}\n" for key, value in self.worker_conf.items())
+            extra = ["--properties-file", props]
         for i in range(self.hosts.count):
             worker_dir = os.path.join(self.workdir, f"worker{i}")
             os.makedirs(worker_dir, exist_ok=True)
@@ -85,7 +95,7 @@ class SparkStandalone:
                 i, [spark_class, "org.apache.spark.deploy.worker.Worker", self.master_url,
                     "--host", self.hosts.addrs[i], "--cores", str(self.cores),
                     "--memory", self.worker_memory, "--work-dir", worker_dir,
-                    "--webui-port", "0"],
+                    "--webui-port", "0", *extra],
                 env=worker_env, log_path=self.log_path(f"worker{i}")))
         return self
 
@@ -111,15 +121,17 @@ class SparkStandalone:
                 parts.append(f"--- {name}\n" + "".join(f.readlines()[-lines:]))
         return "\n".join(parts)
 
-    def session(self, timeout: float = 120.0, executor_memory: str = "768m") -> Any:
-        """A SparkSession on the master, returned once every host's executor is up."""
+    def session(self, timeout: float = 120.0, executor_memory: str = "768m",
+                conf: Mapping[str, str] | None = None) -> Any:
+        """A SparkSession on the master, returned once every host's executor is up;
+        ``conf`` adds (or overrides) application properties."""
         from pyspark.sql import SparkSession
 
         active = SparkSession.getActiveSession()
         if active is not None:
             active.stop()
         total = self.cores * self.hosts.count
-        self._session = (
+        builder = (
             SparkSession.builder.master(self.master_url)
             .appName("hvd_spark-multihost")
             .config("spark.driver.host", self.hosts.bridge_addr)
@@ -132,8 +144,10 @@ class SparkStandalone:
             .config("spark.ui.showConsoleProgress", "false")
             .config("spark.sql.shuffle.partitions", str(total))
             .config("spark.python.worker.reuse", "true")
-            .getOrCreate()
         )
+        for key, value in (conf or {}).items():
+            builder = builder.config(key, value)
+        self._session = builder.getOrCreate()
         self._wait_executors(timeout)
         return self._session
 
@@ -168,13 +182,15 @@ class SparkStandalone:
 
 @contextlib.contextmanager
 def spark_cluster(hosts: int, cores: int = 1, shape: LinkShape | None = None,
-                  timeout: float = 120.0) -> Iterator[tuple[NetnsHosts, Any]]:
-    """Hosts, a standalone cluster on them and a session: ``(hosts, spark)``; all torn down."""
+                  timeout: float = 120.0, worker_conf: Mapping[str, str] | None = None,
+                  conf: Mapping[str, str] | None = None) -> Iterator[tuple[NetnsHosts, Any]]:
+    """Hosts, a standalone cluster on them and a session: ``(hosts, spark)``; all torn down.
+    ``worker_conf`` goes to the workers, ``conf`` to the session (``SparkStandalone``)."""
     net = NetnsHosts(hosts, shape).start()
     try:
-        cluster = SparkStandalone(net, cores=cores).start()
+        cluster = SparkStandalone(net, cores=cores, worker_conf=worker_conf).start()
         try:
-            yield net, cluster.session(timeout)
+            yield net, cluster.session(timeout, conf=conf)
         finally:
             cluster.close()
     finally:
