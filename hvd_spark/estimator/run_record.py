@@ -11,12 +11,15 @@ the Store (``store.get_logs_path(run_id)``), so after a fit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from hvd_spark.data.store import Store
-from hvd_spark.estimator.progress import TrainingProgress
+from hvd_spark.estimator.progress import StepRate, TrainingProgress
+from hvd_spark.estimator.spark_console import quiet_stage_bar
 from hvd_spark.estimator.tensorboard_events import EventFileWriter
 
 log = logging.getLogger(__name__)
@@ -68,20 +71,31 @@ class RunRecord:
         store: The run's Store.
         run_id: The run.
         epochs: Epochs of the fit.
-        verbose: 1 or more draws the progress bars; logs and TensorBoard are always kept.
+        verbose: 1 or more draws the progress bars (and, from the first event to ``close``,
+            holds Spark's console stage bar off: ``spark_console``); logs and TensorBoard
+            are always kept.
+        on_epoch: Also receives ``(epoch, metrics)`` of each epoch (MLflow tracking).
     """
 
-    def __init__(self, store: Store, run_id: str, epochs: int, verbose: int) -> None:
+    def __init__(self, store: Store, run_id: str, epochs: int, verbose: int,
+                 on_epoch: Callable[[int, dict[str, Any]], None] | None = None) -> None:
         directory = store.logs_path(run_id)
         self.bars = TrainingProgress(epochs) if verbose >= 1 else None
+        self._quiet: contextlib.ExitStack | None = None
         self.logs = RankLogs(store, directory)
         self.events = EventFileWriter(store, directory)
         self._lock = threading.Lock()
         self._steps: int | None = None
+        self._rate = StepRate()  # from each epoch's first step on, as the bars show it
+        self._on_epoch = on_epoch
 
     def progress(self, rank: int, event: dict[str, Any]) -> None:
         """A progress event from a rank: drawn, and its numbers written for TensorBoard."""
         if self.bars is not None:
+            with self._lock:
+                if self._quiet is None:  # Spark's stage bar would redraw itself amid ours
+                    self._quiet = contextlib.ExitStack()
+                    self._quiet.enter_context(quiet_stage_bar())
             self.bars(rank, event)
         with self._lock:
             kind = event.get("kind")
@@ -89,20 +103,30 @@ class RunRecord:
                 self._steps = event.get("steps") or self._steps
                 step = (event["epoch"] - 1) * (self._steps or 0) + event["step"]
                 scalars = {"step/loss": event["loss"]}
-                if event.get("elapsed"):
-                    scalars["step/samples_per_second"] = event["samples"] / event["elapsed"]
+                rate = self._rate(event)
+                if rate is not None:
+                    scalars["step/samples_per_second"] = rate
                 self.events.add_scalars(step, scalars)
             elif kind == "epoch":
                 self.events.add_scalars(event["epoch"], event.get("metrics") or {})
+                if self._on_epoch is not None:
+                    self._on_epoch(event["epoch"], event.get("metrics") or {})
 
     def output(self, rank: int, stream: str, line: str) -> None:
         """One line a rank printed."""
         self.logs(rank, stream, line)
 
+    def _end_quiet(self) -> None:
+        with self._lock:
+            quiet, self._quiet = self._quiet, contextlib.ExitStack()  # no new one after close
+        if quiet is not None:
+            quiet.close()
+
     def close(self) -> None:
         """Close the bars and the files; a failure to close one does not hide the others."""
         for close in ([self.bars.close] if self.bars else []) + [self.logs.close,
-                                                                  self.events.close]:
+                                                                  self.events.close,
+                                                                  self._end_quiet]:
             try:
                 close()
             except Exception:  # noqa: BLE001 - the fit's own outcome matters more

@@ -16,7 +16,7 @@ import cloudpickle
 from hvd_spark import _env
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import spark_launcher, worker
+from hvd_spark.runner import mlflow_env, spark_launcher, worker
 from hvd_spark.runner.console import verbose_logging
 from hvd_spark.runner.driver_service import DriverService
 from hvd_spark.runner.local_launcher import pickle_job
@@ -131,8 +131,11 @@ def run(
         stdout, stderr: Streams receiving the ranks' output lines, prefixed ``[rank]``;
             default the driver's ``sys.stdout``/``sys.stderr`` (a notebook cell shows them live).
         verbose: 0 quiet, 1 log the start and end of the run, 2 also timings (``logging``).
-        use_gpu: Give each rank its task's GPUs as ``CUDA_VISIBLE_DEVICES``; default: when
-            ``spark.task.resource.gpu.amount`` is set.
+        use_gpu: Show the ranks of each host that host's GPUs of the job as
+            ``CUDA_VISIBLE_DEVICES``, each rank's own at device ``local_rank`` (its index in
+            ``HVD_SPARK_GPU_INDEX``; see ``runner.gpu_mapping``); default: when
+            ``spark.task.resource.gpu.amount`` is set. True on a session that schedules
+            no GPUs is a ConfigError before anything starts.
         prefix_output_with_timestamp: Start each forwarded line with the time.
         extra_mpi_args, nics, executable, use_mpi, use_gloo: Horovod's keywords, accepted
             so that Horovod calls run unchanged. ``nics`` (one interface name, or the
@@ -200,7 +203,8 @@ def _run_with_report(
     on_output: Callable[[int, str, str], None] | None,
 ) -> RunReport:
     payload = pickle_job(fn, args, kwargs)
-    user_env = _check_env(env)
+    # The driver's MLflow run reaches the ranks; the caller's env wins over it.
+    user_env = {**mlflow_env.driver_env(), **_check_env(env)}
     timeout = _start_timeout(start_timeout)
     spark = spark_launcher.active_session()
     sc = spark_launcher.cluster_context(spark)  # a SparkContext, or its Connect stand-in
