@@ -23,7 +23,8 @@ What happens in ``prepare_data``, in this order:
    through the Store's pyarrow filesystem (so any filesystem pyarrow supports works
    without Hadoop connectors), in the layout of ``hvd_spark.data.layout``. The spec is
    written last: it is the commit marker, and a dataset directory without one is never
-   reused.
+   reused. Threads of one driver preparing the same directory at once (the fits of
+   ``CrossValidator(parallelism=n)``) take turns on a lock: one writes, the others reuse.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import hashlib
 import json
 import logging
 import posixpath
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 IS_VAL = "__hvd_spark_is_val"
 DATASET_SPEC_FILE = "_hvd_spark_spec.json"  # in train_dir; "_" so readers skip it
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
 _NUMERIC = {
     "byte": "int8", "short": "int16", "integer": "int32", "long": "int64",
     "float": "float32", "double": "float64", "boolean": "bool",
@@ -130,11 +134,29 @@ def prepare_data(
     }
     key = _cache_key(stats["fingerprint"], columns, settings)
     layout = _Layout.of(store, key, train_dir, val_dir)
-    cached = _cached_spec(store, layout, key)
-    if cached is not None:
-        logger.info("reusing dataset %s in %s (same data and settings)", key,
-                    store.url_of(layout.root))
-        return cached
+    # Concurrent fits of this driver (CrossValidator(parallelism=n)) preparing the same
+    # dataset: one writes it while the others wait, then reuse it.
+    with _dataset_lock(store.url_of(layout.root)):
+        cached = _cached_spec(store, layout, key)
+        if cached is not None:
+            logger.info("reusing dataset %s in %s (same data and settings)", key,
+                        store.url_of(layout.root))
+            return cached
+        return _write(store, layout, key, selected, columns, features, labels,
+                      sample_weight_col, settings)
+
+
+def _dataset_lock(root_url: str) -> threading.Lock:
+    """The lock of one dataset directory, for the threads of this process."""
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(root_url, threading.Lock())
+
+
+def _write(store: Store, layout: _Layout, key: str, selected: Any, columns: list[ColumnSpec],
+           features: list[str], labels: list[str], sample_weight_col: str | None,
+           settings: dict) -> DatasetSpec:
+    """Write the selected rows as Parquet shards under ``layout``; the spec goes last."""
+    num_files = settings["num_files"]
     for path in layout.clear:  # a partial write, or another dataset at a fixed location
         store.delete(path)
     out = selected.repartition(num_files)

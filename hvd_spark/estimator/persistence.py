@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import posixpath
+import weakref
 from typing import Any
 
 import cloudpickle
@@ -23,6 +24,10 @@ from hvd_spark.data.filesystems import filesystem_from_url, join_url
 from hvd_spark.errors import ConfigError
 
 _METADATA_FILE = "part-00000"
+
+#: Instances PickledReader loaded, by uid (weakly): a validator's saved param-map values
+#: rebind the loaded stages' object Params (``param_map_io``).
+LOADED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def _write_file(url: str, data: bytes) -> None:
@@ -52,14 +57,16 @@ def _read_metadata(url: str) -> str:
 
 
 def json_params(instance: Any) -> dict[str, Any]:
-    """The instance's explicitly set params whose values are JSON-able."""
+    """The instance's explicitly set params whose values JSON holds as they are (a tuple,
+    or a dict with int keys, would come back changed: those are pickled)."""
     out = {}
     for param, value in instance._paramMap.items():
         try:
-            json.dumps(value)
-        except TypeError:
+            back = json.loads(json.dumps(value))
+        except (TypeError, ValueError):
             continue
-        out[param.name] = value
+        if back == value and type(back) is type(value):
+            out[param.name] = value
     return out
 
 
@@ -92,8 +99,7 @@ class PickledWriter(MLWriter):
         self.saveImpl(path)
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark's API name
-        _write_file(join_url(path, "data", "params.pkl"),
-                    cloudpickle.dumps(object_params(self.instance)))
+        _write_file(join_url(path, "data", "params.pkl"), _pickled_params(self.instance))
         for name, blob in self.instance._persisted_blobs().items():
             _write_file(join_url(path, "data", name), blob)
         metadata = DefaultParamsWriter._get_metadata_to_save(
@@ -122,4 +128,23 @@ class PickledReader(MLReader):
         blobs = {name: _read_file(join_url(path, "data", name))
                  for name in instance._blob_names()}
         instance._restore_blobs(blobs)
+        LOADED[instance.uid] = instance
         return instance
+
+
+def _pickled_params(instance: Any) -> bytes:
+    """The object params, in one pickle (shared objects stay shared); a ConfigError names
+    the param that cannot be pickled."""
+    objects = object_params(instance)
+    try:
+        return cloudpickle.dumps(objects)
+    except Exception as exc:  # noqa: BLE001 - find which param cannot be pickled
+        for name, value in objects.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception:  # noqa: BLE001 - this one
+                raise ConfigError(
+                    f"cannot save {type(instance).__name__}: its {name} value cannot be "
+                    f"pickled ({type(exc).__name__}: {exc}); clear it (clear(obj.{name})) "
+                    "or make it picklable") from exc
+        raise

@@ -5,7 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 from collections.abc import Iterator
+from typing import Any
+
+# The handler verbose_logging added (shared by concurrent fits) and how many use it.
+_SHOWING: dict[str, Any] = {"handler": None, "level": logging.NOTSET, "users": 0}
+_SHOWING_LOCK = threading.Lock()
 
 
 class _Prefixed(logging.Formatter):
@@ -25,18 +31,29 @@ def verbose_logging(verbose: int) -> Iterator[None]:
     or the rank assignment would otherwise be invisible in a notebook.
     """
     logger = logging.getLogger("hvd_spark")
-    if verbose < 1 or logger.handlers or logging.getLogger().handlers:
-        yield
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Prefixed())
-    handler.setLevel(logging.INFO)
-    level = logger.level
-    logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)
+    with _SHOWING_LOCK:
+        # Concurrent fits (CrossValidator(parallelism=n)) share one handler: the last
+        # to finish removes it, so no fit's messages vanish when another ends.
+        shared = _SHOWING["handler"] is not None
+        configured = logger.handlers or logging.getLogger().handlers
+        ours = verbose >= 1 and (shared or not configured)
+        if ours and not shared:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(_Prefixed())
+            handler.setLevel(logging.INFO)
+            _SHOWING.update(handler=handler, level=logger.level)
+            logger.addHandler(handler)
+            if logger.getEffectiveLevel() > logging.INFO:
+                logger.setLevel(logging.INFO)
+        if ours:
+            _SHOWING["users"] += 1
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        if ours:
+            with _SHOWING_LOCK:
+                _SHOWING["users"] -= 1
+                if _SHOWING["users"] == 0:
+                    logger.removeHandler(_SHOWING["handler"])
+                    logger.setLevel(_SHOWING["level"])
+                    _SHOWING.update(handler=None, level=logging.NOTSET)

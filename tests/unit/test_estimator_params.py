@@ -72,8 +72,8 @@ def test_snake_case_params_work_with_spark_ml_tools():
 
 
 def test_unknown_or_positional_arguments_are_config_errors():
-    with pytest.raises(ConfigError, match=r"unknown parameter\(s\) \['learning_rate'\]"):
-        TorchEstimator(learning_rate=0.1)
+    with pytest.raises(ConfigError, match=r"unknown parameter\(s\) \['lr'\]"):
+        TorchEstimator(lr=0.1)
     with pytest.raises(ConfigError, match="keyword arguments only"):
         TorchEstimator(2)
     with pytest.raises(ConfigError, match="unknown parameter"):
