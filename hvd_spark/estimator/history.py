@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from hvd_spark.runner import progress_events
@@ -16,6 +17,54 @@ def accumulate(sums: dict[str, float], name: str, value: float) -> None:
 def metric_name(fn: Any) -> str:
     """A metric's display name: its ``name`` attribute, else its function/class name."""
     return getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def plain_metric_names(groups: list[list[Any]], label_cols: Sequence[str]) -> dict[str, str]:
+    """Keras-style names of the TorchEstimator's metrics, by Horovod's key.
+
+    Horovod's torch history names a metric ``group_<i>_<label column>`` (``getHistory()``
+    keeps that shape). Keras users look for the metric's own name: ``accuracy`` for one
+    label column, ``<label column>_accuracy`` for several (Keras names a multi-output
+    model's metrics so). A function without a usable name (a lambda) is ``metric_<i>``; a
+    name already taken (the same function twice, or ``loss``) gets ``_<i>``.
+
+    Args:
+        groups: Horovod's metric groups (``torch_worker.metric_groups``).
+        label_cols: The label columns, one per model output.
+
+    Returns:
+        ``{"group_0_label": "accuracy", ...}``; validation keys add ``val_`` to both.
+    """
+    names: dict[str, str] = {}
+    taken = {"loss"}
+    for g, fns in enumerate(groups):
+        fns = fns * len(label_cols) if len(fns) == 1 else fns
+        for fn, col in zip(fns, label_cols):
+            base = metric_name(fn)
+            base = base if base.isidentifier() else f"metric_{g}"
+            plain = base if len(label_cols) == 1 else f"{col}_{base}"
+            if plain in taken or plain.startswith("val_"):
+                plain = f"{plain}_{g}"
+            taken.add(plain)
+            names[f"group_{g}_{col}"] = plain
+    return names
+
+
+def with_plain_names(record: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``record`` plus the plain name of each Horovod metric key in it (and ``val_`` ones)."""
+    out = dict(record)
+    for key, plain in names.items():
+        for prefix in ("", "val_"):
+            if prefix + key in record:
+                out[prefix + plain] = record[prefix + key]
+    return out
+
+
+def displayed(record: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``record`` without the Horovod keys that have a plain name: what the console, the
+    TensorBoard file and MLflow get."""
+    hidden = {prefix + key for key in names for prefix in ("", "val_")}
+    return {k: v for k, v in record.items() if k not in hidden}
 
 
 def prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:

@@ -6,6 +6,12 @@ epoch through the run's driver service (``hvd_spark.runner.progress_events``).
 and samples/s while it runs; when the epoch ends its bar stays as one line with the
 epoch's metrics. In Jupyter with ipywidgets the bar is a widget, elsewhere text
 (what ``tqdm.auto`` picks, without its warning when ipywidgets is missing).
+
+Rates are measured from an epoch's first step event on (``StepRate``): the first step
+carries the epoch's start-up (the reader's first decode, Keras's graph tracing, the
+bar's own opening), so a rate that includes it, or one over that single step, says
+nothing about training speed. The first step shows no rate; the epoch's last step
+event is always sent (``progress_events``), so a finished bar shows the epoch's rate.
 """
 
 from __future__ import annotations
@@ -35,6 +41,28 @@ def _bar_class(file: IO[str] | None) -> Any:
     return tqdm
 
 
+class StepRate:
+    """Samples/s of the running epoch, from its first step event to the latest one.
+
+    ``samples`` and ``elapsed`` of a step event count from the start of the epoch; the
+    difference to the first event of the same epoch leaves the start-up out.
+    """
+
+    def __init__(self) -> None:
+        self._first: tuple[Any, float, float] | None = None  # (epoch, samples, elapsed)
+
+    def __call__(self, event: dict[str, Any]) -> float | None:
+        """The rate after this step event; None for the first of an epoch."""
+        samples, elapsed = event.get("samples"), event.get("elapsed")
+        if samples is None or elapsed is None:
+            return None
+        if self._first is None or self._first[0] != event.get("epoch"):
+            self._first = (event.get("epoch"), samples, elapsed)
+            return None
+        seconds = elapsed - self._first[2]
+        return (samples - self._first[1]) / seconds if seconds > 0 else None
+
+
 def format_metrics(metrics: dict[str, Any]) -> str:
     """``loss=0.3120, val_loss=0.2981`` (numbers only, in the order given)."""
     return ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()
@@ -60,6 +88,7 @@ class TrainingProgress:
         self._bar: Any = None
         self._epoch: int | None = None
         self._steps: int | None = None
+        self._rate = StepRate()
         self._lock = threading.Lock()
 
     def __call__(self, rank: int, event: dict[str, Any]) -> None:
@@ -70,21 +99,24 @@ class TrainingProgress:
             elif kind == "epoch":
                 self._on_epoch(event)
 
-    def _open(self, epoch: int, steps: int | None) -> None:
+    def _open(self, epoch: int, steps: int | None, done: int = 0) -> None:
         self._close_bar()
         self._epoch = epoch
         self._steps = steps = steps or self._steps  # every epoch has as many steps
         kwargs: dict[str, Any] = {"file": self._file} if self._file is not None else {}
+        # ``initial``: the steps done before the bar opened do not count in tqdm's own
+        # step/s, which would otherwise be one step over the microseconds since opening.
         self._bar = self._cls(total=steps, desc=f"epoch {epoch}/{self.epochs}", unit="step",
-                              leave=True, dynamic_ncols=self._file is None,
+                              leave=True, dynamic_ncols=self._file is None, initial=done,
                               mininterval=0, **kwargs)  # events come rate-limited
 
     def _on_step(self, event: dict[str, Any]) -> None:
         if self._bar is None or self._epoch != event["epoch"]:
-            self._open(event["epoch"], event.get("steps"))
+            self._open(event["epoch"], event.get("steps"), event["step"])
         postfix = {"loss": f"{event['loss']:.4f}"}
-        if event.get("elapsed"):
-            postfix["samples/s"] = f"{event['samples'] / event['elapsed']:.0f}"
+        rate = self._rate(event)
+        if rate is not None:
+            postfix["samples/s"] = f"{rate:.0f}"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(max(event["step"] - self._bar.n, 0))  # redraws
 

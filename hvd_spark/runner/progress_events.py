@@ -66,9 +66,12 @@ class _Channel:
         if not self.usable():
             return False
         if event.get("kind") == "step":
-            # The first step of an epoch always goes: it opens the epoch's bar.
+            # The first step of an epoch always goes: it opens the epoch's bar. So does
+            # the last: the epoch's rate is measured from the first to it.
             now, epoch = time.monotonic(), event.get("epoch")
-            if now - self._last_step < MIN_STEP_INTERVAL_S and epoch == self._step_epoch:
+            last = event.get("steps") is not None and event.get("step") == event["steps"]
+            if now - self._last_step < MIN_STEP_INTERVAL_S and epoch == self._step_epoch \
+                    and not last:
                 return True  # dropped: the next step event carries the totals
             self._last_step, self._step_epoch = now, epoch
         return self._call(rank, event)

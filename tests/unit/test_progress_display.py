@@ -7,7 +7,7 @@ import io
 import subprocess
 import sys
 
-from hvd_spark.estimator.progress import TrainingProgress, format_metrics
+from hvd_spark.estimator.progress import StepRate, TrainingProgress, format_metrics
 from hvd_spark.runner import progress_events
 
 
@@ -23,7 +23,8 @@ def test_a_bar_per_epoch_with_loss_rate_and_a_line_of_metrics_that_stays():
     bars(0, _step(1, 3, 0.7, samples=192, elapsed=1.0))
     text = out.getvalue()
     assert "epoch 1/2" in text and "3/4" in text
-    assert "loss=0.7000" in text and "samples/s=192" in text
+    # The rate counts from the first step on: (192 - 64) rows in (1.0 - 0.5) s.
+    assert "loss=0.7000" in text and "samples/s=256" in text
     bars(0, {"kind": "epoch", "epoch": 1, "epochs": 2,
              "metrics": {"loss": 0.65, "val_loss": 0.6}})
     bars(0, _step(2, 2, 0.5))
@@ -87,3 +88,29 @@ def test_without_a_listening_driver_events_are_not_sent(monkeypatch):
     monkeypatch.setattr(progress_events, "_CHANNEL", None)
     assert progress_events.available() is False
     assert progress_events.send(0, {"kind": "step"}) is False
+
+
+def test_the_first_step_shows_no_rate_and_later_ones_leave_its_start_up_out():
+    rate = StepRate()
+    assert rate(_step(1, 1, 0.9, samples=32, elapsed=0.004)) is None  # 8000/s would be noise
+    assert rate(_step(1, 5, 0.8, samples=160, elapsed=0.204)) == 640.0  # 128 rows in 0.2 s
+    assert rate(_step(2, 1, 0.7, samples=32, elapsed=0.001)) is None  # each epoch afresh
+    out = io.StringIO()
+    bars = TrainingProgress(1, file=out)
+    bars(0, _step(1, 1, 0.9, samples=32, elapsed=0.004))
+    first = out.getvalue()
+    assert "1/4" in first and "samples/s" not in first
+    assert "?step/s" in first, "tqdm's own rate must not be one step over the bar's opening"
+    bars(0, _step(1, 4, 0.8, samples=128, elapsed=0.104))
+    bars.close()
+    assert "samples/s=960" in out.getvalue()
+
+
+def test_the_last_step_of_an_epoch_is_never_dropped_by_the_rate_limit():
+    channel = progress_events._Channel()
+    sent = []
+    channel._usable = True
+    channel._call = lambda rank, event: sent.append(event["step"]) or True
+    for step in range(1, 5):  # a burst: far quicker than the rate limit
+        channel.send(0, {"kind": "step", "epoch": 1, "step": step, "steps": 4})
+    assert sent == [1, 4]
