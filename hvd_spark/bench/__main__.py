@@ -18,6 +18,7 @@ BENCHMARKS = {
     "paths": ("hvd_spark.bench.paths_bench", "allreduce in place vs out of place, per dtype"),
     "timeline": ("hvd_spark.bench.timeline_bench", "training step time, timeline off vs on"),
     "autotune": ("hvd_spark.bench.autotune_bench", "autotune on vs off, alternating jobs"),
+    "mlflow": ("hvd_spark.bench.mlflow_cost", "a fit's added cost of MLflow tracking"),
     "convergence": ("hvd_spark.bench.convergence",
                     "plain training vs each Estimator: loss, accuracy, curves"),
 }

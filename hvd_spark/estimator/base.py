@@ -9,6 +9,7 @@ import this package.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import posixpath
 import tempfile
@@ -22,7 +23,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator import recovery, transform
+from hvd_spark.estimator import devices, recovery, tracking, transform, tuning
 from hvd_spark.estimator.learning_rate import PARAM as LR_PARAM
 from hvd_spark.estimator.params import SHARED_PARAMS, KeywordParams, define_params
 from hvd_spark.estimator.persistence import PickledReader, PickledWriter
@@ -41,7 +42,8 @@ MODEL_PARAMS: list[tuple[str, str, Any, Any]] = [
     ("label_columns", "label column names, one per model output", None, None),
     ("outputCols", "prediction column names (default: <label>__output)", None, None),
     ("run_id", "id of the run that trained the model", None, None),
-    ("batch_size", "rows per model call in transform", None, 32),
+    ("batch_size", "the training batch size (transform's too, by default)", None, 32),
+    ("transform_batch_size", "rows per model call in transform (default: batch_size)", None, None),
     ("loss", "the loss used in training", None, None),
 ]
 
@@ -75,7 +77,8 @@ class PickledPersistence(MLWritable, MLReadable):
         pass
 
 
-class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
+class HvdEstimator(tuning.SharedStoreFit, tracking.TrackedFit, Estimator, KeywordParams,
+                   PickledPersistence):
     """Base of KerasEstimator and TorchEstimator (not used directly)."""
 
     _param_specs = SHARED_PARAMS
@@ -213,6 +216,7 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
 
     def _fit_df(self, df):
         from hvd_spark.data import writer
+        from hvd_spark.estimator import dry_run
 
         self._check_params()
         backend = self._backend()
@@ -220,6 +224,7 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         payload = self._checked_payload()
         _check_slots(backend)
         _check_writable(store)
+        dry_run.check(self, df)  # the model on a few rows, before any data is written
         seed = self.value("random_seed")
         dataset = writer.prepare_data(
             df, store,
@@ -273,7 +278,7 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
         if params:
             return self.copy(params).fit_on_parquet(dataset_idx=dataset_idx)
         with verbose_logging(self.value("verbose")):
-            return self._fit_stored(dataset_idx)
+            return tracking.run_tracked(self, lambda: self._fit_stored(dataset_idx))
 
     def _fit_stored(self, dataset_idx: Any) -> HvdModel:
         self._check_params()
@@ -323,8 +328,10 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             extra=self._extra(),
             checkpoint_every_steps=self.value("checkpoint_every_steps"),
         )
-        record = RunRecord(store, run_id, spec.epochs, self.value("verbose"))
+        record = RunRecord(store, run_id, spec.epochs, self.value("verbose"),
+                           on_epoch=tracking.epoch_hook())  # MLflow, when tracked
         backend = self._backend(record)
+        tracking.fit_started(run_id, store, dataset, backend.num_processes())
         note = self._learning_rate_note(backend.num_processes())
         if note:
             log.info("%s", note)
@@ -332,10 +339,16 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
             payload = self._checked_payload()
         try:
             # A lost rank resumes from the last checkpoint on the same shards.
-            results = recovery.run_with_retries(backend, self._worker(), spec, payload,
+            # Each rank's result says whether it saw a GPU: the driver warns if none did.
+            worker = functools.partial(devices.run_reporting, self._worker())
+            reports = recovery.run_with_retries(backend, worker, spec, payload,
                                                 self._worker_env(), self.value("max_retries"))
         finally:
             record.close()
+            tracking.fit_ran()
+        results, seen = devices.unwrap(reports)
+        devices.warn_if_no_gpu(type(self).__name__,
+                               self.isSet(self.use_gpu) and self.value("use_gpu"), seen)
         return self._make_model(results[0], run_id)
 
     def _resume_epoch(self, store: Store, run_id: str) -> int:
@@ -347,6 +360,7 @@ class HvdEstimator(Estimator, KeywordParams, PickledPersistence):
 
     def _make_model(self, result: dict, run_id: str) -> HvdModel:
         model = self._model_class()()
+        tuning.carry(self, model)  # the Estimator's params, as Spark ML models have them
         labels = self.value("label_cols")
         params = {
             "feature_columns": self.value("feature_cols"), "label_columns": labels,
@@ -402,7 +416,7 @@ class HvdModel(Model, KeywordParams, PickledPersistence):
     def _transform(self, df):
         return transform.predict_columns(
             df, self.value("feature_columns"), self.output_columns(), self.output_shapes,
-            self.model_bytes, self._predictor_factory(), self.value("batch_size"))
+            self.model_bytes, self._predictor_factory(), tuning.rows_per_call(self))
 
     def _init_empty(self) -> None:
         HvdModel.__init__(self)

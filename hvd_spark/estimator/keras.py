@@ -15,7 +15,7 @@ from typing import Any
 import cloudpickle
 
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator import learning_rate
+from hvd_spark.estimator import dry_run, learning_rate
 from hvd_spark.estimator.base import MODEL_PARAMS, HvdEstimator, HvdModel, define
 from hvd_spark.estimator.keras_worker import (  # noqa: F401 - place_keras re-exported
     keras_predictor,
@@ -25,6 +25,7 @@ from hvd_spark.estimator.keras_worker import (  # noqa: F401 - place_keras re-ex
     train_keras,
 )
 from hvd_spark.estimator.params import keyword_only_params
+from hvd_spark.estimator.tuning import carried_params
 
 log = logging.getLogger("hvd_spark.estimator")
 
@@ -34,6 +35,8 @@ KERAS_PARAMS = [
      "fitted model gets (e.g. save_best_only=True)", None, None),
     ("backend_env", "environment variables added to every rank's", None, None),
     learning_rate.PARAM_SPEC,
+    learning_rate.RATE_SPEC,
+    dry_run.PARAM_SPEC,
 ]
 
 KERAS_MODEL_PARAMS = [
@@ -105,6 +108,8 @@ class KerasEstimator(HvdEstimator):
       ``LearningRateWarmupCallback`` get the scaled rate as ``initial_lr``; checkpoints,
       ``getOptimizer()`` and a resumed fit carry the rate as given.
       ``scale_learning_rate=False`` (hvd_spark only) keeps the rate as given.
+      ``learning_rate`` (hvd_spark only) replaces the optimizer's rate or schedule in the
+      serialized optimizer the ranks build (the user's is not changed), before that rule.
     - Every rank starts from rank 0's weights (BroadcastGlobalVariablesCallback) and
       epoch metrics are averaged over ranks (MetricAverageCallback).
     - A TensorBoard callback runs on rank 0 only; its logs go to the store's logs path
@@ -128,7 +133,8 @@ class KerasEstimator(HvdEstimator):
                  backward_passes_per_step=1, compress_sparse_cols=False,
                  transformation_edit_fields=None, transformation_removed_fields=None,
                  output_cols=None,
-                 max_retries=3, checkpoint_every_steps=None, scale_learning_rate=True):
+                 max_retries=3, checkpoint_every_steps=None, scale_learning_rate=True,
+                 learning_rate=None, mlflow=None, dry_run=True):
         super().__init__()
         self.setParams(**self._input_kwargs)
 
@@ -139,11 +145,16 @@ class KerasEstimator(HvdEstimator):
         return {learning_rate.PARAM: self.value(learning_rate.PARAM)}
 
     def _learning_rate_note(self, num_proc: int) -> str:
-        import keras
-
-        rate = learning_rate.keras_rate(keras.optimizers.serialize(self.value("optimizer")))
+        rate = learning_rate.keras_rate(self._optimizer_config())
         return learning_rate.describe(None if rate is None else [rate], num_proc,
                                       self.value(learning_rate.PARAM), type(self).__name__)
+
+    def _optimizer_config(self) -> dict:
+        """The serialized optimizer the ranks build, at ``learning_rate`` when it is set."""
+        import keras
+
+        return learning_rate.keras_at_rate(keras.optimizers.serialize(self.value("optimizer")),
+                                           self.value(learning_rate.RATE))
 
     def _check_framework(self) -> None:
         import keras
@@ -164,6 +175,7 @@ class KerasEstimator(HvdEstimator):
         if env is not None and not (isinstance(env, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
             raise ConfigError(f"backend_env must be a dict of str to str, got {env!r}")
+        learning_rate.check_rate(self.value(learning_rate.RATE))
 
     def _check_dataset(self, dataset) -> None:
         model = self.value("model")
@@ -179,11 +191,9 @@ class KerasEstimator(HvdEstimator):
         return {"custom_objects": self.value("custom_objects")}
 
     def _payload(self) -> dict:
-        import keras
-
         return {
             "model": model_to_bytes(self.value("model")),
-            "optimizer": keras.optimizers.serialize(self.value("optimizer")),
+            "optimizer": self._optimizer_config(),
             "loss": cloudpickle.dumps(self.value("loss")),
             "metrics": cloudpickle.dumps(self.value("metrics") or []),
             "callbacks": cloudpickle.dumps(self.value("callbacks") or []),
@@ -191,6 +201,11 @@ class KerasEstimator(HvdEstimator):
             "loss_weights": self.value("loss_weights"),
             "checkpoint_callback": cloudpickle.dumps(self.value("checkpoint_callback")),
         }
+
+    def _dry_run(self, sample, batch) -> None:
+        from hvd_spark.estimator.dry_run_keras import keras_check
+
+        keras_check(self, sample, batch)
 
     def _worker(self):
         return train_keras
@@ -202,6 +217,7 @@ class KerasEstimator(HvdEstimator):
 
 
 define(KerasEstimator, KERAS_PARAMS)
-define(KerasModel, KERAS_MODEL_PARAMS, base=MODEL_PARAMS)
+define(KerasModel, carried_params(KerasModel, KERAS_MODEL_PARAMS, KerasEstimator),
+       base=MODEL_PARAMS)
 
 __all__ = ["KerasEstimator", "KerasModel"]

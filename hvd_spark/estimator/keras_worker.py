@@ -128,20 +128,26 @@ def _optimizer_state(optimizer) -> bytes:
 
 
 def place_keras(use_gpu: bool, local_rank: int, tf: Any) -> None:
-    """Show TensorFlow one GPU (``local_rank % count``) with ``use_gpu``, else none.
+    """Show TensorFlow one GPU, the rank's own, with ``use_gpu``, else none.
 
-    Must run before TensorFlow initializes its devices. A CPU run hides the GPUs so it
-    does not take the memory of GPUs that other work on the executor may hold. With
-    ``use_gpu`` and no GPU visible, the rank trains on the CPU (Horovod's meaning).
+    Its own: the one Spark assigned it (``HVD_SPARK_GPU_INDEX``), else ``local_rank``
+    wrapped around the GPUs (``devices.own_gpu_index``). Must run before TensorFlow
+    initializes its devices. A CPU run hides the GPUs so it does not take the memory of
+    GPUs that other work on the executor may hold. With ``use_gpu`` and no GPU visible,
+    the rank trains on the CPU (Horovod's meaning); the driver is told (it warns).
     """
+    from hvd_spark.estimator import devices
+
     gpus = tf.config.list_physical_devices("GPU")
+    if use_gpu:
+        devices.note_gpu_seen(bool(gpus))
     if not use_gpu or not gpus:
         if use_gpu and local_rank == 0:
             log.info("use_gpu=True but TensorFlow sees no GPU (CUDA_VISIBLE_DEVICES=%r): "
                      "training on the CPU", os.environ.get("CUDA_VISIBLE_DEVICES"))
         tf.config.set_visible_devices([], "GPU")
         return
-    gpu = gpus[local_rank % len(gpus)]
+    gpu = gpus[devices.own_gpu_index(local_rank, len(gpus))]
     tf.config.set_visible_devices([gpu], "GPU")
     tf.config.experimental.set_memory_growth(gpu, True)
 
@@ -222,7 +228,10 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
         history = saved["history"]
     dist_opt = hvd.DistributedOptimizer(
         optimizer, compression=spec.compression or hvd.Compression.none,
-        backward_passes_per_step=spec.backward_passes_per_step)
+        backward_passes_per_step=spec.backward_passes_per_step,
+        # The mean of the accumulated batches, as the Torch and Lightning Estimators step:
+        # bpps x batch_size rows per rank behave as one batch of that size.
+        average_aggregated_gradients=True)
     model.compile(optimizer=dist_opt, loss=cloudpickle.loads(payload["loss"]),
                   loss_weights=payload["loss_weights"],
                   metrics=cloudpickle.loads(payload["metrics"]))
@@ -323,6 +332,9 @@ def _final_weights(keras, model, workdir: str, custom: dict) -> list:
 
 def keras_predictor(model_bytes: bytes):
     """Model bytes -> ``predict(list of numpy inputs) -> list of numpy outputs``."""
+    from hvd_spark.estimator.tf_quiet import import_keras_quietly
+
+    import_keras_quietly()  # first: custom objects in the bytes may import Keras
     saved = pickle.loads(model_bytes)
     model = model_from_bytes(saved["model"], saved.get("custom_objects"))
     in_shapes = row_shapes(model.inputs)

@@ -8,14 +8,23 @@ hvd_spark does the same by default; ``scale_learning_rate=False`` keeps the rate
 given. The ranks scale by the size of the job they are in, so after a recovery on fewer
 ranks the rate follows the new size.
 
+The ``learning_rate`` Param (hvd_spark only; snake_case as every Param of the package)
+replaces the optimizer's own rate so that a tuning grid can search it
+(``ParamGridBuilder().addGrid(est.learning_rate, [...])``). It applies to a copy of the
+user's optimizer, before the rule above: the ranks train at ``learning_rate x num_proc``
+unless ``scale_learning_rate=False``. None (the default) keeps the optimizer's rate.
+
 No framework is imported here: the functions take the framework's objects and plain
 numbers, and the driver-side message needs neither.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
+
+from hvd_spark.errors import ConfigError
 
 #: Name of the Param that turns the rule off (the Torch and Keras Estimators have it).
 PARAM = "scale_learning_rate"
@@ -25,6 +34,55 @@ PARAM_SPEC: tuple[str, str, Any, Any] = (
     PARAM, "train with the optimizer's learning rate x the number of ranks, as Horovod "
     "does (saved models and checkpoints keep the rate as given); False: use it as given; "
     "hvd_spark only", None, True)
+
+
+#: Name of the Param that replaces the optimizer's rate (Torch and Keras Estimators).
+RATE = "learning_rate"
+
+#: Its Param spec (name, doc, converter, default).
+RATE_SPEC: tuple[str, str, Any, Any] = (
+    RATE, "learning rate replacing the optimizer's own (every torch param group's; a Keras "
+    "rate or schedule), before Horovod's x num_proc rule; None: the optimizer's own; "
+    "hvd_spark only", None, None)
+
+
+def check_rate(rate: Any) -> None:
+    """Raise ConfigError unless ``rate`` is None or a finite number > 0."""
+    if rate is None:
+        return
+    if (isinstance(rate, bool) or not isinstance(rate, (int, float))
+            or not math.isfinite(rate) or rate <= 0):
+        raise ConfigError(f"{RATE} must be a finite number > 0 (or None: the optimizer's own "
+                          f"rate), got {rate!r}")
+
+
+def torch_at_rate(optimizer: Any, rate: float | None) -> Any:
+    """``optimizer``, or a copy of it whose every param group trains at ``rate``.
+
+    The copy shares the parameters and the state with the user's optimizer (pickled
+    together with the model, it still refers to the model's parameters); its param
+    groups and defaults are new dicts, so the user's optimizer is never changed.
+    """
+    if rate is None:
+        return optimizer
+    rate = float(rate)
+    # copy.copy goes through Optimizer.__getstate__/__setstate__, as pickling does.
+    out = copy.copy(optimizer)
+    out.defaults = {**optimizer.defaults, "lr": rate}
+    out.param_groups = [
+        {**group, "lr": rate, **({"initial_lr": rate} if "initial_lr" in group else {})}
+        for group in optimizer.param_groups]
+    return out
+
+
+def keras_at_rate(config: dict, rate: float | None) -> dict:
+    """A serialized Keras optimizer (``keras.optimizers.serialize``) with ``rate`` as its
+    learning rate (a schedule is replaced); ``config`` itself when ``rate`` is None."""
+    if rate is None:
+        return config
+    out = copy.deepcopy(config)
+    out.setdefault("config", {})["learning_rate"] = float(rate)
+    return out
 
 
 def unscale(rate: float, base: float, factor: int) -> float:

@@ -14,12 +14,14 @@ from typing import Any
 import cloudpickle
 
 from hvd_spark.errors import ConfigError
+from hvd_spark.estimator import dry_run
 from hvd_spark.estimator import torch as torch_adapter
 from hvd_spark.estimator.base import MODEL_PARAMS, HvdEstimator, HvdModel, define
 from hvd_spark.estimator.lightning_strategy import lightning_package
 from hvd_spark.estimator.lightning_worker import train_lightning
 from hvd_spark.estimator.params import keyword_only_params
 from hvd_spark.estimator.torch_worker import torch_predictor
+from hvd_spark.estimator.tuning import carried_params
 
 #: The oldest Lightning release this estimator supports (the ``lightning>=2.2`` extra), as
 #: Horovod's ``horovod.spark.lightning.estimator.MIN_PL_VERSION`` names its own: a string for
@@ -47,6 +49,7 @@ LIGHTNING_PARAMS = [
      None),
     ("val_async_data_loader_queue_size", "petastorm async loader queue (ignored here)", None,
      None),
+    dry_run.PARAM_SPEC,
 ]
 
 _LIGHTNING_IGNORED = {
@@ -88,7 +91,9 @@ class LightningModel(HvdModel):
         return None
 
     def getHistory(self) -> dict[str, float]:  # noqa: N802 - Spark ML naming
-        """Horovod's Lightning history: the Trainer's ``logged_metrics`` at the end."""
+        """Horovod's Lightning history: the Trainer's ``logged_metrics`` at the end, with
+        the values the console showed for the last epoch (averaged over the ranks, where
+        Lightning's own are rank 0's unless logged with ``sync_dist=True``)."""
         return dict(self.logged_metrics)
 
     def getEpochHistory(self) -> list[dict]:  # noqa: N802 - Spark ML naming
@@ -121,7 +126,10 @@ class LightningEstimator(HvdEstimator):
     a ``Trainer`` with hvd_spark's strategy (gradients averaged by the DistributedOptimizer
     around every optimizer ``configure_optimizers`` returns). ``training_step`` gets each
     batch as a dict of column -> tensor (features reshaped to ``input_shapes``). The
-    learning rate is used as given (Horovod multiplies it by the number of ranks).
+    learning rate is used as given (Horovod multiplies it by the number of ranks); there is
+    no ``learning_rate`` Param: ``configure_optimizers`` owns the optimizers and their
+    schedulers' base rates, so tune the rate as a hyperparameter of the module (a grid over
+    ``model``).
     ``callbacks`` are Lightning callbacks; a ``ModelCheckpoint`` among them decides which
     weights the fitted model gets (its best). ``trainer_args`` override the Trainer's
     arguments. A model that is not a LightningModule is a ConfigError: use TorchEstimator.
@@ -149,7 +157,7 @@ class LightningEstimator(HvdEstimator):
                  backward_passes_per_step=1, continuous_cols=None, categorical_cols=None,
                  compress_sparse_cols=False, tensorflow_dataset_prefetch_buffer_size=0,
                  output_cols=None,
-                 max_retries=3, checkpoint_every_steps=None):
+                 max_retries=3, checkpoint_every_steps=None, mlflow=None, dry_run=True):
         super().__init__()
         self.setParams(**self._input_kwargs)
 
@@ -197,12 +205,16 @@ class LightningEstimator(HvdEstimator):
             "trainer_args": self.value("trainer_args"),
         }
 
+    def _dry_run(self, sample, batch) -> None:
+        dry_run.lightning_check(self, sample, batch)  # the forward pass only
+
     def _worker(self):
         return train_lightning
 
 
 define(LightningEstimator, LIGHTNING_PARAMS)
-define(LightningModel, torch_adapter.TORCH_MODEL_PARAMS, base=MODEL_PARAMS)
+define(LightningModel, carried_params(LightningModel, torch_adapter.TORCH_MODEL_PARAMS,
+                                      LightningEstimator), base=MODEL_PARAMS)
 
 # Horovod's names in horovod.spark.lightning.
 TorchEstimator = LightningEstimator

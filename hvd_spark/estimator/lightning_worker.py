@@ -18,6 +18,7 @@ import cloudpickle
 
 from hvd_spark.estimator import history as hist
 from hvd_spark.estimator.lightning_strategy import strategy_class
+from hvd_spark.estimator.mlflow_ranks import nest_mlflow_logger
 from hvd_spark.estimator.torch_worker import _as_tuple, _inputs, _tensor, training_device
 from hvd_spark.estimator.train_spec import (
     TrainSpec,
@@ -121,6 +122,7 @@ def train_lightning(spec: TrainSpec, payload: dict) -> dict | None:
     history: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="hvd_spark_lightning_") as workdir:
         logger = cloudpickle.loads(payload["logger"])
+        nest_mlflow_logger(logger)  # under the driver's MLflow run, if there is one
         if logger is None:
             logger = pl.loggers.CSVLogger(os.path.join(workdir, "logs"), name="", version="")
         callbacks = [*(cloudpickle.loads(payload["callbacks"]) or []),
@@ -157,6 +159,8 @@ def train_lightning(spec: TrainSpec, payload: dict) -> dict | None:
                                               weights_only=False)["state_dict"])
         logged = {k: float(v) for k, v in trainer.logged_metrics.items()
                   if getattr(v, "numel", lambda: 1)() == 1}
+        if history:  # rank 0's own values -> the last epoch's, averaged over the ranks
+            logged.update({k: v for k, v in history[-1].items() if k in logged})
     module.eval().cpu()
     sample = next(iter(train_src.epoch(0)))
     with torch.no_grad():

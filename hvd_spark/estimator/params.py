@@ -89,6 +89,8 @@ SHARED_PARAMS: list[tuple[str, str, Any, Any]] = [
     ("checkpoint_every_steps", "also checkpoint every N training steps, so a retry loses "
      "less than an epoch (TorchEstimator; default: per epoch only); hvd_spark only",
      _INT, None),
+    ("mlflow", "track the fit in MLflow: True, False, or None (default: when a run is active "
+     "or autolog is on); hvd_spark only", _ANY, None),
 ]
 
 #: Params accepted for Horovod compatibility that do nothing here, with the reason.

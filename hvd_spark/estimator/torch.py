@@ -14,12 +14,13 @@ from typing import Any
 import cloudpickle
 
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator import learning_rate
+from hvd_spark.estimator import dry_run, learning_rate
 from hvd_spark.estimator.base import MODEL_PARAMS, HvdEstimator, HvdModel, define
 from hvd_spark.estimator.lightning_strategy import lightning_package
 from hvd_spark.estimator.params import keyword_only_params
 from hvd_spark.estimator.torch_worker import metric_groups, torch_predictor, train_torch
 from hvd_spark.estimator.train_spec import batch_shape
+from hvd_spark.estimator.tuning import carried_params
 
 TORCH_PARAMS = [
     ("input_shapes", "shape of each feature input, Horovod's [-1, ...] or one row's", None,
@@ -29,6 +30,8 @@ TORCH_PARAMS = [
      "transform_outputs, loss_fn, inputs, labels, sample_weights, backward_passes_per_step, "
      "batch_idx) -> (outputs, loss)", None, None),
     learning_rate.PARAM_SPEC,
+    learning_rate.RATE_SPEC,
+    dry_run.PARAM_SPEC,
 ]
 
 TORCH_MODEL_PARAMS = [
@@ -83,7 +86,13 @@ class TorchModel(HvdModel):
 
     def getHistory(self) -> list[dict]:  # noqa: N802 - Spark ML naming
         """Horovod's torch history: one dict per epoch, ``{"epoch": 0, "train": {"loss":
-        ..., "all_metrics": [{"group_0_<label>": ...}]}, "validation": {...}}``."""
+        ..., "all_metrics": [{"group_0_<label>": ...}]}, "validation": {...}}``.
+
+        As in Horovod, ``epoch`` counts from 0 here and metrics keep Horovod's
+        ``group_<i>_<label>`` names, so code written for Horovod reads it unchanged. The
+        console, TensorBoard, MLflow and ``getEpochHistory()`` count epochs from 1 and name
+        metrics as Keras does (``accuracy``, ``val_accuracy``).
+        """
         out = []
         for record in self.records:
             entry: dict[str, Any] = {"epoch": record["epoch"] - 1}
@@ -101,6 +110,12 @@ class TorchModel(HvdModel):
                                 "all_metrics": [groups[i] for i in sorted(groups)]}
             out.append(entry)
         return out
+
+    def getEpochHistory(self) -> list[dict]:  # noqa: N802 - Spark ML naming
+        """One flat record per epoch, as the console shows them: ``{"epoch": 1, "loss": ...,
+        "val_loss": ..., "accuracy": ..., "group_0_label": ...}`` (epochs from 1; each
+        metric under its plain name and Horovod's; averaged over ranks)."""
+        return [dict(r) for r in self.records]
 
     def _persisted_blobs(self) -> dict[str, bytes]:
         return {**super()._persisted_blobs(), "optimizer.bin": self.optimizer_bytes}
@@ -130,6 +145,8 @@ class TorchEstimator(HvdEstimator):
     - As in Horovod, each rank trains with every param group's learning rate times the
       number of ranks; checkpoints, ``getOptimizer()`` and a resumed fit carry the rate
       as given. ``scale_learning_rate=False`` (hvd_spark only) keeps the rate as given.
+    - ``learning_rate`` (hvd_spark only) replaces every param group's rate, on a copy of
+      the optimizer (the user's is not changed), before that rule.
     - With ``sample_weight_col``, a loss module must return per-row values
       (``reduction="none"``); a loss function is called with ``reduction="none"``.
     - ``use_gpu`` (default True) trains on a GPU when the rank has one, else on the CPU.
@@ -153,7 +170,8 @@ class TorchEstimator(HvdEstimator):
                  backward_passes_per_step=1, compress_sparse_cols=False,
                  transformation_edit_fields=None, transformation_removed_fields=None,
                  tensorflow_dataset_prefetch_buffer_size=0, output_cols=None,
-                 max_retries=3, checkpoint_every_steps=None, scale_learning_rate=True):
+                 max_retries=3, checkpoint_every_steps=None, scale_learning_rate=True,
+                 learning_rate=None, mlflow=None, dry_run=True):
         super().__init__()
         self.setParams(**self._input_kwargs)
 
@@ -161,9 +179,14 @@ class TorchEstimator(HvdEstimator):
         return {learning_rate.PARAM: self.value(learning_rate.PARAM)}
 
     def _learning_rate_note(self, num_proc: int) -> str:
-        rates = [group["lr"] for group in self.value("optimizer").param_groups]
+        rates = [group["lr"] for group in self._optimizer().param_groups]
         return learning_rate.describe(rates, num_proc, self.value(learning_rate.PARAM),
                                       type(self).__name__)
+
+    def _optimizer(self) -> Any:
+        """The optimizer the ranks start from: the user's, or a copy at ``learning_rate``."""
+        return learning_rate.torch_at_rate(self.value("optimizer"),
+                                           self.value(learning_rate.RATE))
 
     def _ignored(self) -> dict[str, str]:
         return {**super()._ignored(),
@@ -223,6 +246,7 @@ class TorchEstimator(HvdEstimator):
             raise ConfigError("train_minibatch_fn must be a function returning the "
                               "train_minibatch function, as in Horovod")
         self._input_shapes()
+        learning_rate.check_rate(self.value(learning_rate.RATE))
 
     def _check_dataset(self, dataset) -> None:
         shapes = self.value("input_shapes")
@@ -232,8 +256,8 @@ class TorchEstimator(HvdEstimator):
 
     def _payload(self) -> dict:
         return {
-            "model_and_optimizer": cloudpickle.dumps(
-                (self.value("model"), self.value("optimizer"))),
+            # Pickled together: the optimizer's parameters stay the model's.
+            "model_and_optimizer": cloudpickle.dumps((self.value("model"), self._optimizer())),
             "loss": self.value("loss"),
             "loss_constructors": self.value("loss_constructors"),
             "loss_weights": self.value("loss_weights"),
@@ -242,9 +266,13 @@ class TorchEstimator(HvdEstimator):
             "train_minibatch_fn": self.value("train_minibatch_fn"),
         }
 
+    def _dry_run(self, sample, batch) -> None:
+        dry_run.torch_check(self, sample, batch)
+
     def _worker(self):
         return train_torch
 
 
 define(TorchEstimator, TORCH_PARAMS)
-define(TorchModel, TORCH_MODEL_PARAMS, base=MODEL_PARAMS)
+define(TorchModel, carried_params(TorchModel, TORCH_MODEL_PARAMS, TorchEstimator),
+       base=MODEL_PARAMS)

@@ -2,8 +2,8 @@
 
 No pyspark here: this runs in the ranks' processes (and under ``hvdrun``). With
 ``use_gpu`` (the default) each rank trains on one CUDA device when torch sees one:
-the only one its Spark task was given (``CUDA_VISIBLE_DEVICES``), or
-``local_rank % device_count`` when it sees several; otherwise on the CPU. Gradients
+the one its Spark task was given (``HVD_SPARK_GPU_INDEX``), else
+``local_rank % device_count``; otherwise on the CPU. Gradients
 are still reduced on the CPU by the TCP ring (the engine stages CUDA tensors through
 host memory); the saved model is moved to the CPU, so ``transform`` needs no GPU.
 
@@ -45,14 +45,24 @@ log = logging.getLogger("hvd_spark.estimator")
 
 
 def training_device(use_gpu: bool, local_rank: int, torch: Any) -> Any:
-    """This rank's device: its GPU when ``use_gpu`` and torch sees one, else the CPU."""
-    if not use_gpu or not torch.cuda.is_available():
+    """This rank's device: its own GPU when ``use_gpu`` and torch sees one, else the CPU.
+
+    Its own: the one Spark assigned it (``HVD_SPARK_GPU_INDEX``, also where ranks share a
+    GPU), else ``local_rank`` wrapped around the devices (``devices.own_gpu_index``).
+    Records for the driver whether a GPU was seen (it warns when none was).
+    """
+    from hvd_spark.estimator import devices
+
+    seen = use_gpu and torch.cuda.is_available()
+    if use_gpu:
+        devices.note_gpu_seen(seen)
+    if not seen:
         if use_gpu and local_rank == 0:
             log.info("use_gpu=True but torch sees no CUDA device (torch %s, CUDA_VISIBLE_DEVICES"
                      "=%r): training on the CPU", torch.__version__,
                      os.environ.get("CUDA_VISIBLE_DEVICES"))
         return torch.device("cpu")
-    index = local_rank % torch.cuda.device_count()
+    index = devices.own_gpu_index(local_rank, torch.cuda.device_count())
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -192,6 +202,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     weights = payload["loss_weights"] or [1.0 / len(ds.label_cols)] * len(ds.label_cols)
     loss_fn = make_loss_fn(losses, weights)
     groups = metric_groups(payload["metrics"])
+    plain = hist.plain_metric_names(groups, ds.label_cols)  # Keras users' names too
     transform_outputs = make_transform_outputs(spec.label_shapes)
     minibatch = payload["train_minibatch_fn"]() if payload["train_minibatch_fn"] else None
     shapes = payload["input_shapes"]
@@ -281,6 +292,12 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             if hvd.rank() == 0:
                 hist.step(spec.verbose, epoch + 1, steps, reader.steps_per_epoch,
                           sums["loss"] / steps, rows, time.monotonic() - started)
+        if minibatch is None and steps % spec.backward_passes_per_step:
+            # The epoch ended inside an accumulation: step on what was accumulated, as
+            # Lightning does (the batch index restarts each epoch, so carrying the passes
+            # over would exceed backward_passes_per_step before the next step).
+            dist_opt.step()
+            dist_opt.zero_grad()
         return {k: v / max(steps, 1) for k, v in sums.items()}
 
     def val_epoch(epoch) -> dict:
@@ -300,10 +317,10 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
         record = {"epoch": epoch + 1, **train_epoch(epoch)}
         if val_reader is not None:
             record.update(hist.prefixed("val_", val_epoch(epoch)))
-        record = hist.average_over_ranks(record)
+        record = hist.with_plain_names(hist.average_over_ranks(record), plain)
         history.append(record)
         if hvd.rank() == 0:
-            hist.report(record, spec.epochs, spec.verbose)
+            hist.report(hist.displayed(record, plain), spec.epochs, spec.verbose)
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "optimizer": rates.unscaled_state(),
                         "history": history}, buf)

@@ -56,7 +56,12 @@ def _torch_estimator(tmp_path, **overrides):
 @pytest.fixture(scope="module")
 def torch_fit(frames, tmp_path_factory):
     train, _, _ = frames
-    est = _torch_estimator(tmp_path_factory.mktemp("torch"), validation="is_val", run_id="t1")
+
+    def accuracy(out, label):  # local: shipped to the ranks by value
+        return (out.argmax(1) == label).float().mean()
+
+    est = _torch_estimator(tmp_path_factory.mktemp("torch"), validation="is_val", run_id="t1",
+                           metrics=[accuracy])
     return est, est.fit(train)
 
 
@@ -78,6 +83,20 @@ def test_torch_history_has_validation_per_epoch(torch_fit):
     assert all(set(h) == {"epoch", "train", "validation"} for h in history)
     assert all(h["validation"]["loss"] > 0 for h in history)
     assert history[-1]["train"]["loss"] < history[0]["train"]["loss"]
+
+
+def test_torch_metrics_have_keras_names_and_epochs_count_from_one(torch_fit):
+    est, model = torch_fit
+    assert est.getDryRun() is True  # this fit passed the dry run before writing its data
+    horovods = model.getHistory()[-1]  # Horovod's names, epochs from 0 (its own)
+    assert horovods["epoch"] == 2
+    assert set(horovods["validation"]["all_metrics"][0]) == {"group_0_label"}
+    records = model.getEpochHistory()  # as the console shows them: epochs from 1
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    last = records[-1]
+    assert last["accuracy"] == last["group_0_label"] == horovods["train"]["all_metrics"][0][
+        "group_0_label"]
+    assert last["val_accuracy"] == last["val_group_0_label"] > 0.9
 
 
 def test_torch_save_load_identical_predictions(torch_fit, frames, tmp_path):
@@ -119,8 +138,8 @@ def test_bad_parameters_fail_before_training(frames, tmp_path):
     import torch
 
     train, _, _ = frames
-    with pytest.raises(ConfigError, match="unknown parameter.*learning_rate"):
-        _torch_estimator(tmp_path, learning_rate=0.1)
+    with pytest.raises(ConfigError, match="unknown parameter.*'lr'"):
+        _torch_estimator(tmp_path, lr=0.1)
     with pytest.raises(ConfigError, match="optimizer must be a torch.optim.Optimizer"):
         _torch_estimator(tmp_path, optimizer="adam").fit(train)
     with pytest.raises(ConfigError, match="epochs must be >= 1"):
@@ -343,3 +362,12 @@ def test_expensive_work_waits_for_slots_pickling_and_a_writable_store(frames, tm
     blocker.write_text("not a directory")
     with pytest.raises(ConfigError, match=r"cannot write there"):
         _torch_estimator(tmp_path, store=str(blocker / "store")).fit(train)
+
+
+def test_torch_use_gpu_asked_for_without_gpus_warns_once(frames, tmp_path):
+    train, _, _ = frames
+    est = _torch_estimator(tmp_path, use_gpu=True, epochs=1, verbose=0)
+    with pytest.warns(UserWarning, match=r"TorchEstimator\(use_gpu=True\): none of the 2 "
+                                         "ranks saw a GPU, so training ran on the CPU") as got:
+        est.fit(train)
+    assert len([w for w in got if "saw a GPU" in str(w.message)]) == 1
