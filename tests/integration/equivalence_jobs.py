@@ -153,7 +153,9 @@ class BatchRecorder:
         self.count = 0
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rank = int(os.environ["HVD_SPARK_RANK"])
+        rank = os.environ.get("HVD_SPARK_RANK")
+        if rank is None:  # the Estimator's dry run on the driver: not a training batch
+            return batch
         path = os.path.join(self.directory, f"rank{rank}_{self.count:05d}.npz")
         np.savez(path, **batch)
         self.count += 1

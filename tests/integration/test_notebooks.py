@@ -15,7 +15,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.i
 
 def test_there_is_a_notebook_per_entry_point():
     names = {p.name for p in NOTEBOOKS}
-    assert {"spark_run.ipynb", "torch_estimator.ipynb", "keras_estimator.ipynb"} <= names
+    assert {"spark_run.ipynb", "torch_estimator.ipynb", "keras_estimator.ipynb",
+            "mlflow_tuning_journey.ipynb"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
