@@ -73,4 +73,5 @@ def quiet_stage_bar(enabled: bool = True, bar: Any = None) -> Iterator[None]:
         yield
     finally:
         stop.set()
-        thread.join()
+        # Bounded: a JVM call stuck in py4j must not hold the fit's result (daemon thread).
+        thread.join(timeout=5.0)
