@@ -135,8 +135,9 @@ def test_torch_estimator_fits_across_hosts(cluster, tmp_path):
     n = net.count * per_host
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    # Adam at 0.05 / n: the ranks train at n x the rate (Horovod's rule), 0.05 in all.
     est = TorchEstimator(
-        num_proc=n, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.05),
+        num_proc=n, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.05 / n),
         loss=torch.nn.CrossEntropyLoss(), feature_cols=["features"], label_cols=["label"],
         batch_size=32, epochs=3, validation=0.2, store=str(tmp_path / "store"), verbose=0)
     fitted = est.fit(_frame(spark, 800, 0))
