@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+from hvd_spark.collectives import session
+
 
 def mpi_built() -> bool:
     """True when the MPI backend can run here (mpi4py is installed)."""
@@ -18,9 +20,7 @@ def mpi_built() -> bool:
 
 
 def _mpi_in_use() -> bool:
-    from hvd_spark.collectives import api  # late: api imports this module's package
-
-    engine = api._engine
+    engine = session.current_engine()
     return engine is not None and engine.comm.name == "mpi"
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -19,7 +21,35 @@ from hvd_spark.collectives import messages as m
 from hvd_spark.collectives import packing
 from hvd_spark.collectives.messages import Request, Response
 from hvd_spark.collectives.ops import ReduceOp, check_dtype, check_reduction, reduce_rows
+from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------ the stall policy (every engine)
+
+
+def stall_limit(config: EngineConfig) -> float:
+    """How long an operation may wait for some ranks before it fails: the collective
+    timeout, or HOROVOD_STALL_SHUTDOWN_TIME_SECONDS when set and sooner."""
+    limit = config.timeout
+    if config.stall_shutdown > 0:
+        limit = min(limit, config.stall_shutdown)
+    return limit
+
+
+def warn_stall(name: str, after_s: float, missing: list[int]) -> None:
+    """Log that operation ``name`` has waited over ``after_s`` s for ranks ``missing``."""
+    log.warning(
+        "collective %r has waited over %.0f s for ranks %s; they may be stuck or call "
+        "collectives with other names", name, after_s, missing)
+
+
+def stall_error(name: str, missing: list[int], limit: float) -> str:
+    """The error of operation ``name`` that ranks ``missing`` did not submit in ``limit`` s."""
+    return (f"collective {name!r}: ranks {missing} did not submit it within {limit} s "
+            "(a rank is stuck, or ranks call collectives in different orders/names)")
 
 
 def _disagreement(name: str, what: str, by_rank: dict[int, object]) -> str:
@@ -398,6 +428,24 @@ class Coordinator:
         entry = self._table[name]
         return [r for r in self._members(entry[min(entry)]) if r not in entry]
 
+    def police_stalls(self, now: float, config: EngineConfig,
+                      before_expiry: Callable[[float], None] | None = None) -> None:
+        """The stall policy: warn once of each operation waiting over
+        ``config.stall_warning`` s for some ranks, then fail those past ``stall_limit``.
+
+        Args:
+            now: ``time.monotonic()``.
+            config: The engine's settings (stall warning, stall shutdown, timeout).
+            before_expiry: Called with the limit between the two (the TCP engine hands
+                over its paired requests that waited too long, to expire with the rest).
+        """
+        for name, missing in self.stalled(now, config.stall_warning):
+            warn_stall(name, config.stall_warning, missing)
+        limit = stall_limit(config)
+        if before_expiry is not None:
+            before_expiry(limit)
+        self.expire(now, limit)
+
     def expire(self, now: float, timeout: float) -> None:
         """Fail operations some ranks have not joined within ``timeout`` s."""
         for name, since in list(self._first_seen.items()):
@@ -406,6 +454,5 @@ class Coordinator:
             if now - since > timeout:
                 missing = self._missing(name)
                 first = next(iter(self._table[name].values()))
-                self._finish(name, Response(first.kind, (name,), members=first.members, error=(
-                    f"collective {name!r}: ranks {missing} did not submit it within {timeout} s "
-                    "(a rank is stuck, or ranks call collectives in different orders/names)")))
+                self._finish(name, Response(first.kind, (name,), members=first.members,
+                                            error=stall_error(name, missing, timeout)))

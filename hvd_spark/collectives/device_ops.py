@@ -13,8 +13,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from hvd_spark.collectives import api
 from hvd_spark.collectives import messages as m
+from hvd_spark.collectives import session, submit
 from hvd_spark.collectives.nccl import arrays, library, selection, streams
 from hvd_spark.collectives.nccl.device import DeviceAwareCommunicator
 from hvd_spark.collectives.operations import Handle
@@ -31,7 +31,7 @@ def enabled() -> bool:
     sends them through host memory, said once in a warning on rank 0 naming the package;
     ``HVD_SPARK_GPU_BACKEND=host`` asks for that and stays quiet.
     """
-    engine = api._engine
+    engine = session.current_engine()
     if engine is None:
         return False
     if selection.gpu_backend_setting() == selection.HOST:
@@ -51,7 +51,7 @@ class DeviceHandle:
 
     def __init__(self, inner: Handle, events: dict[str, Any]) -> None:
         self.inner = inner
-        self._events = events
+        self.events = events  # the collective's CUDA events by role ("done")
 
     def done(self) -> bool:
         """True once the collective is queued on the GPU (or failed)."""
@@ -60,8 +60,8 @@ class DeviceHandle:
     def wait(self, consumer_stream: int | None = None) -> Any:
         """The result, with ``consumer_stream`` (raw handle; None: cupy's current) ordered
         after the collective's kernels."""
-        result = api.synchronize(self.inner)
-        event = self._events.get("done")
+        result = submit.synchronize(self.inner)
+        event = self.events.get("done")
         if event is not None:
             streams.consumer_waits(event, consumer_stream)
         return result
@@ -121,8 +121,8 @@ def allreduce_many_async_(
     if len(device_arrays) != len(names):
         raise CollectiveArgumentError(
             f"allreduce_many_async_ got {len(device_arrays)} arrays but {len(names)} names")
-    members = api._members(process_set, "allreduce")
-    keys = [api.auto_name(m.ALLREDUCE, n, process_set) for n in names]
+    members = submit.members_of(process_set, "allreduce")
+    keys = [submit.auto_name(m.ALLREDUCE, n, process_set) for n in names]
     if device_arrays:
         streams.order_after(_device_id(device_arrays[0]), producer_stream)
     event_sets, builds = [], []
@@ -130,7 +130,7 @@ def allreduce_many_async_(
         events, build = _allreduce_build(array, op, prescale_factor, postscale_factor)
         event_sets.append(events)
         builds.append(build)
-    handles = api._many(m.ALLREDUCE, keys, builds, members)
+    handles = submit.submit_many(m.ALLREDUCE, keys, builds, members)
     return [DeviceHandle(h, e) for h, e in zip(handles, event_sets)]
 
 
@@ -170,10 +170,10 @@ def broadcast_async_(array: Any, root_rank: int, name: str | None = None,
     events, finish = _finishing(device_id)
 
     def build(key: str, members):
-        root = api._set_rank(process_set, root_rank, f"broadcast {key!r}")
+        root = submit.index_in_set(process_set, root_rank, f"broadcast {key!r}")
         return _request(key, m.BROADCAST, array, members, root=root), array, finish
 
-    return DeviceHandle(api._start(m.BROADCAST, name, process_set, build), events)
+    return DeviceHandle(submit.start(m.BROADCAST, name, process_set, build), events)
 
 
 def allgather_async(array: Any, name: str | None = None,
@@ -188,7 +188,7 @@ def allgather_async(array: Any, name: str | None = None,
     def build(key: str, members):
         return _request(key, m.ALLGATHER, work, members), work, finish
 
-    return DeviceHandle(api._start(m.ALLGATHER, name, process_set, build), events)
+    return DeviceHandle(submit.start(m.ALLGATHER, name, process_set, build), events)
 
 
 def reducescatter_async(array: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
@@ -210,7 +210,7 @@ def reducescatter_async(array: Any, name: str | None = None, op: ReduceOp = Redu
             work = array.copy()  # reduced in place: the caller keeps its input
         return _request(key, m.REDUCESCATTER, work, members, op=int(reduce_op)), work, finish
 
-    return DeviceHandle(api._start(m.REDUCESCATTER, name, process_set, build), events)
+    return DeviceHandle(submit.start(m.REDUCESCATTER, name, process_set, build), events)
 
 
 def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | None = None,
@@ -227,4 +227,4 @@ def alltoall_async(array: Any, splits: Sequence[int] | None = None, name: str | 
     def build(key: str, members):
         return _request(key, m.ALLTOALL, array, members, splits=split_t), array, finish
 
-    return DeviceHandle(api._start(m.ALLTOALL, name, process_set, build), events)
+    return DeviceHandle(submit.start(m.ALLTOALL, name, process_set, build), events)

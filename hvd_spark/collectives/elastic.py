@@ -10,7 +10,9 @@ join, ``commit()``/``check_host_updates()`` raise :class:`HostsUpdatedInterrupt`
 rank at the same step, and the ring re-forms with them.
 
 The framework bindings add ``TorchState``, ``TensorFlowKerasState`` and friends on top
-of :class:`State` and :class:`ObjectState`.
+of :class:`State` and :class:`ObjectState`. The worker's link to the launcher, which
+``init()`` uses, is in ``membership`` (re-exported here), so ``init()`` does not import
+this module, which sits above it.
 """
 
 from __future__ import annotations
@@ -21,13 +23,19 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from hvd_spark import _env
-from hvd_spark.collectives.tcp import wire
-from hvd_spark.collectives.tcp.store import StoreClient
-from hvd_spark.config import DEFAULT_START_TIMEOUT_S, WorldInfo
+from hvd_spark.collectives import bootstrap, session
+from hvd_spark.collectives.gather_ops import broadcast_object
+from hvd_spark.collectives.membership import (  # re-exported: elastic's public names
+    DEFAULT_ELASTIC_TIMEOUT_S,
+    JOIN,
+    MESH_TIMEOUT_S,
+    VERSION,
+    Membership,
+    is_elastic,
+    membership,
+)
 from hvd_spark.errors import (
     AuthenticationError,
-    ConfigError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
     RendezvousTimeoutError,
@@ -35,72 +43,12 @@ from hvd_spark.errors import (
 
 log = logging.getLogger(__name__)
 
-JOIN = "elastic.join"
-VERSION = "elastic.version"
-DEFAULT_ELASTIC_TIMEOUT_S = 600.0
-#: Seconds a new generation's ring may take to connect before the worker rejoins.
-MESH_TIMEOUT_S = 30.0
-
 F = TypeVar("F", bound=Callable[..., Any])
 
-
-def is_elastic() -> bool:
-    """True in a worker started by an elastic launcher."""
-    return _env.get_bool(_env.ELASTIC)
-
-
-class Membership:
-    """This worker's link to the launcher's elastic driver (one per process)."""
-
-    def __init__(self) -> None:
-        self.worker = _env.require_str(_env.WORKER_ID)
-        self.addr = wire.parse_addr(_env.require_str(_env.RENDEZVOUS_ADDR), _env.RENDEZVOUS_ADDR)
-        try:
-            self.secret = bytes.fromhex(_env.require_str(_env.SECRET))
-        except ValueError:
-            raise ConfigError(f"{_env.SECRET} is not hex-encoded; the launcher sets it") from None
-        self.hostname = _env.get_str(_env.HOSTNAME) or ""
-        self.start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
-        self.elastic_timeout = _env.get_float(_env.ELASTIC_TIMEOUT, DEFAULT_ELASTIC_TIMEOUT_S)
-        self._client = StoreClient(self.addr, self.secret, self.start_timeout)
-        self.generation = 0
-        self.version = 0
-
-    def join(self) -> WorldInfo:
-        """Wait for a place in the next generation; return this worker's world in it."""
-        budget = self.start_timeout + 2 * self.elastic_timeout + 10.0
-        got = self._client.call(JOIN, self.worker, self.hostname, self.generation,
-                                timeout=budget)
-        self.generation, self.version = got["generation"], got["version"]
-        log.info("worker %s joined generation %d as rank %d of %d", self.worker,
-                 self.generation, got["rank"], got["size"])
-        return WorldInfo(
-            rank=got["rank"], size=got["size"], local_rank=got["local_rank"],
-            local_size=got["local_size"], cross_rank=got["cross_rank"],
-            cross_size=got["cross_size"], rendezvous_addr=f"{self.addr[0]}:{self.addr[1]}",
-            secret=self.secret, hostname=self.hostname or got["host"],
-            advertise_addr=_env.get_str(_env.ADVERTISE_ADDR) or "",
-        )
-
-    def hosts_updated(self) -> bool:
-        """True when the driver has workers waiting to join this generation."""
-        return self._client.call(VERSION, timeout=30.0) > self.version
-
-
-_membership: list[Membership] = []
-
-
-def membership() -> Membership:
-    """This process's Membership, created at the first elastic ``init()``."""
-    if not _membership:
-        _membership.append(Membership())
-    return _membership[0]
-
-
-def _api():
-    from hvd_spark.collectives import api  # late: api imports this module
-
-    return api
+__all__ = [
+    "DEFAULT_ELASTIC_TIMEOUT_S", "JOIN", "MESH_TIMEOUT_S", "VERSION", "Membership", "ObjectState",
+    "State", "is_elastic", "membership", "reset", "run",
+]
 
 
 class State:
@@ -134,12 +82,11 @@ class State:
         Rank 0 asks the launcher and broadcasts the answer, so all ranks decide alike.
         Outside an elastic job this does nothing.
         """
-        api = _api()
-        if not is_elastic() or not api.is_initialized() or api.size() < 1:
+        if not is_elastic() or not session.is_initialized() or session.size() < 1:
             return
-        updated = membership().hosts_updated() if api.rank() == 0 else False
-        if api.size() > 1:
-            updated = api.broadcast_object(updated, 0, name="elastic.check_host_updates")
+        updated = membership().hosts_updated() if session.rank() == 0 else False
+        if session.size() > 1:
+            updated = broadcast_object(updated, 0, name="elastic.check_host_updates")
         if updated:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
@@ -187,7 +134,7 @@ class ObjectState(State):
     def sync(self) -> None:
         if not self._saved_attrs:
             return
-        bcast = self._bcast_object or (lambda obj, root: _api().broadcast_object(
+        bcast = self._bcast_object or (lambda obj, root: broadcast_object(
             obj, root, name="elastic.object_state"))
         current = {k: getattr(self, k) for k in self._saved_attrs}
         self._saved_attrs = bcast(current, 0)
@@ -200,11 +147,10 @@ def reset() -> None:
     A generation whose ring cannot connect (a member died while it formed) is left for
     the next one; the launcher's deadlines end the job when none can form.
     """
-    api = _api()
     while True:
-        api.shutdown()
+        bootstrap.shutdown()
         try:
-            api.init()
+            bootstrap.init()
             return
         except (RendezvousTimeoutError, HorovodInternalError, AuthenticationError) as exc:
             log.warning("the ring of generation %d did not form (%s); joining the next one",

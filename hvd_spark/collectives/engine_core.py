@@ -1,7 +1,7 @@
 """What every collectives engine shares: the caller-side bookkeeping, running agreed
 responses, and progress made by the thread that waits.
 
-An engine (TCP ``Engine``, ``MpiEngine``) negotiates in its own way; this base class
+An engine (``TcpEngine``, ``MpiEngine``) negotiates in its own way; this base class
 holds the rest. Callers submit named entries and wait on handles. A caller that waits
 does not hand the work to the background thread and sleep: it takes the progress lock
 and runs the engine's cycle itself until its operation completes. On a small message
@@ -17,6 +17,8 @@ import abc
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +26,6 @@ from hvd_spark.collectives import autotune, operations, timeline
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives.communicator import Communicator, caller_waiting
 from hvd_spark.collectives.coordinator import Coordinator
-from hvd_spark.collectives.nccl import arrays
 from hvd_spark.collectives.operations import Entry, Handle
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import (
@@ -50,10 +51,24 @@ def timeline_row(name: str, kind: str) -> str:
     return name if name.startswith(kind) else f"{kind}.{name}"
 
 
+# Request.device -> zeros(shape, dtype) there. The host's is here; a device path adds its
+# own when imported (``nccl.arrays``), so this core imports no backend.
+_ZEROS: dict[str, Callable[[tuple[int, ...], Any], Any]] = {"cpu": np.zeros}
+
+
+def register_zeros(device: str, zeros: Callable[[tuple[int, ...], Any], Any]) -> None:
+    """Let joined ranks make stand-in zeros on ``device`` (see ``zeros_entry``)."""
+    _ZEROS[device] = zeros
+
+
 def zeros_entry(template: m.Request) -> Entry:
     """A joined rank's stand-in for an allreduce it never submitted: zeros of that shape."""
-    return Entry(template, Handle(template.name),
-                 arrays.zeros(template.shape, template.dtype, template.device))
+    zeros = _ZEROS.get(template.device)
+    if zeros is None:
+        raise CollectiveError(
+            f"collective {template.name!r} runs on {template.device!r} tensors, which this "
+            "rank has no path for")
+    return Entry(template, Handle(template.name), zeros(template.shape, template.dtype))
 
 
 def apply_eager(response: m.Response, entries: list[Entry]) -> list:
@@ -116,6 +131,7 @@ class EngineCore(abc.ABC):
         self.executed_eager = 0
         #: Rank 0's fusion wait; the autotuner may change it (the config stays as set).
         self.cycle_time_ms = config.cycle_time_ms
+        self._first_ready: float | None = None  # rank 0: since when responses are ready
         #: The ring chunk size the responses have set (rank 0's view, for the autotuner).
         self.chunk_bytes = config.chunk_bytes
         self._tuner: autotune.Autotuner | None = None
@@ -143,6 +159,19 @@ class EngineCore(abc.ABC):
         autotune.log.info("autotune on (%s): tuning %s from %s", type(self).__name__,
                           ", ".join(k for k, g in self._tuner.search.grids.items()
                                     if len(g) > 1) or "nothing", start.describe())
+
+    def _linger(self, coordinator: Coordinator, now: float) -> float:
+        """Rank 0: seconds to keep gathering before sending the ready responses.
+
+        A lone operation goes at once; only while other operations are half submitted
+        does the coordinator linger (up to the cycle time) to fuse them. The caller
+        resets ``_first_ready`` when it takes the responses.
+        """
+        if not coordinator.has_partial():
+            return 0.0
+        if self._first_ready is None:
+            self._first_ready = now
+        return max(0.0, self.cycle_time_ms / 1000.0 - (now - self._first_ready))
 
     def _taken(self, coordinator: Coordinator, responses: list[m.Response]) -> None:
         """Rank 0, after ``coordinator.take_responses()``: let the autotuner measure, and

@@ -17,7 +17,7 @@ class ProcessSet:
     """A subset of the job's ranks that runs collectives among themselves.
 
     Args:
-        ranks: Global ranks of the members (any order; kept sorted).
+        ranks (Iterable[int]): Global ranks of the members (any order; kept sorted).
 
     Attributes:
         process_set_id: Assigned when the set is added (0 is every rank); None before
@@ -37,11 +37,13 @@ class ProcessSet:
         self.process_set_id: int | None = None
         self._my_rank: int | None = None
 
-    def _bind(self, process_set_id: int, my_rank: int) -> None:
+    def bind(self, process_set_id: int, my_rank: int) -> None:
+        """Give the set its id on this rank (the registry does, when the set is added)."""
         self.process_set_id = process_set_id
         self._my_rank = my_rank
 
-    def _invalidate(self) -> None:
+    def invalidate(self) -> None:
+        """Forget the set's id (the registry does, when the set is removed or the job ends)."""
         self.process_set_id = None
 
     def size(self) -> int | None:

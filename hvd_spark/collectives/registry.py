@@ -17,7 +17,7 @@ from hvd_spark.errors import BackendUnavailableError, ConfigError
 Factory = Callable[[WorldInfo, EngineConfig, dict[int, socket.socket]], Communicator]
 
 _BACKENDS: dict[str, str] = {
-    "tcp": "hvd_spark.collectives.tcp.communicator:create",
+    "tcp": "hvd_spark.collectives.tcp.factory:create",
     "mpi": "hvd_spark.collectives.mpi:create",
 }
 # Backends that form the job themselves, their launcher having started the ranks (mpirun):

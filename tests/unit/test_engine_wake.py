@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import types
 
-from hvd_spark.collectives.engine import Engine
+from hvd_spark.collectives.tcp.engine import TcpEngine
 
 
 class _RacingSocket:
@@ -28,13 +28,13 @@ def test_a_wake_during_the_drain_is_never_lost():
     r, w = socket.socketpair()
     r.setblocking(False)
     state = types.SimpleNamespace(_wake_w=w, _wake_pending=False)
-    state._wake_r = _RacingSocket(r, lambda: Engine._wake(state))
+    state._wake_r = _RacingSocket(r, lambda: TcpEngine._wake(state))
     try:
-        Engine._wake(state)  # the first submission
-        Engine._drain_wake(state)  # a second one lands while this reads
+        TcpEngine._wake(state)  # the first submission
+        TcpEngine._drain_wake(state)  # a second one lands while this reads
         assert not state._wake_pending or _readable(r)
         state._wake_r.on_recv = None
-        Engine._wake(state)  # and the next wake still goes out
+        TcpEngine._wake(state)  # and the next wake still goes out
         assert _readable(r)
     finally:
         r.close()

@@ -106,7 +106,7 @@ def test_horovod_log_level_sets_the_package_logger(monkeypatch, value, level):
     monkeypatch.setenv("HOROVOD_LOG_LEVEL", value)
     assert _env.apply_log_level() == level
     assert logging.getLogger("hvd_spark").level == level
-    assert logging.getLogger("hvd_spark.collectives.engine").getEffectiveLevel() == level
+    assert logging.getLogger("hvd_spark.collectives.coordinator").getEffectiveLevel() == level
 
 
 def test_own_log_level_wins_and_unset_leaves_it_alone(monkeypatch):

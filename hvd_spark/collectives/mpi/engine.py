@@ -83,7 +83,6 @@ class MpiEngine(EngineCore):
         self._tick = max(config.cycle_time_ms / 1000.0, _MIN_TICK_S)
         self._wakeup = threading.Event()
         self._bye_since: dict[int, float] = {}  # rank 0: who said goodbye, when
-        self._first_ready: float | None = None
         self._busy_since: float | None = None  # the last cycle that ran something
         self._cache = ResponseCache()
         self._labeler = Labeler() if self.rank == 0 else None
@@ -404,22 +403,11 @@ class MpiEngine(EngineCore):
 
     def _ready_responses(self, now: float) -> list:
         coord = self._coordinator
-        for name, missing in coord.stalled(now, self.config.stall_warning):
-            log.warning(
-                "collective %r has waited over %.0f s for ranks %s; they may be stuck or call "
-                "collectives with other names", name, self.config.stall_warning, missing)
-        limit = self.config.timeout
-        if self.config.stall_shutdown > 0:
-            limit = min(limit, self.config.stall_shutdown)
-        coord.expire(now, limit)
+        coord.police_stalls(now, self.config)
         if not coord.has_ready():
             return []
-        if coord.has_partial():
-            # Others are half-submitted: linger up to the cycle time so they fuse with these.
-            if self._first_ready is None:
-                self._first_ready = now
-            if now - self._first_ready < self.cycle_time_ms / 1000.0:
-                return []
+        if self._linger(coord, now) > 0:
+            return []  # others are half submitted: they may fuse with these
         self._first_ready = None
         responses = coord.take_responses()
         self._taken(coord, responses)

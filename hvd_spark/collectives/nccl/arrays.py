@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from hvd_spark.collectives import engine_core
 from hvd_spark.collectives.nccl import library
 
 CPU = "cpu"
@@ -49,3 +50,7 @@ def copy_into(dst: Any, src: Any) -> None:
         dst[...] = to_host(src).reshape(dst.shape)
     else:
         dst[...] = src
+
+
+# Joined ranks stand in with zeros where the operation's tensors live.
+engine_core.register_zeros(CUDA, lambda shape, dtype: library.cupy().zeros(shape, dtype))

@@ -8,13 +8,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hvd_spark import _env
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.tcp import ring
 from hvd_spark.collectives.tcp.links import Link, TcpLink
-from hvd_spark.collectives.tcp.shm import job_tag, negotiate_shm
+from hvd_spark.collectives.tcp.shm import negotiate_shm
 from hvd_spark.errors import CollectiveError
 
 log = logging.getLogger(__name__)
@@ -168,16 +167,3 @@ class TcpCommunicator(Communicator):
                 link.close()
             except OSError:
                 pass
-
-
-def create(world, config, data_socks: dict[int, socket.socket]) -> Communicator:
-    """Registry factory: a TcpCommunicator over the mesh's data sockets, hierarchical
-    for all-reduce where the hosts allow (see ``hierarchical``)."""
-    from hvd_spark.collectives.tcp.hierarchical import maybe_hierarchical
-
-    flat = TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm,
-                           shm_tag=job_tag(world.secret), slot_bytes=config.slot_bytes,
-                           spin_s=config.spin_seconds(world.local_size))
-    setting = _env.get_str(_env.HIERARCHICAL_ALLREDUCE)
-    return maybe_hierarchical(flat, world, None if setting is None else _env.is_true(setting),
-                              config.use_shm, job_tag(world.secret))

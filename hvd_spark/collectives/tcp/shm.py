@@ -179,8 +179,16 @@ class ShmLink(Link):
         except OSError:
             pass
         self.sock.close()
-        # Views into the maps may still be alive in a failing frame; let GC unmap.
+        # Each map holds a descriptor of its segment: unmap now, so a closed link holds
+        # none. Views into a map may still be alive in a failing frame; then GC unmaps.
         self._out = self._in = None  # type: ignore[assignment]
+        for mapping in (self._out_map, self._in_map):
+            try:
+                if mapping is not None:  # None once closed
+                    mapping.close()
+            except BufferError:
+                pass
+        self._out_map = self._in_map = None  # type: ignore[assignment]
 
 
 def job_tag(secret: bytes) -> str:

@@ -1,0 +1,231 @@
+"""The TCP engine's control sockets: holding requests for a peer, sending them without
+ever blocking the cycle, the wake socket, receiving, and the goodbye at shutdown.
+
+Each rank has a control socket to rank 0 (rank 0: one to every other rank). The thread
+running the cycle sends here on both ranks of a pair, so a send never waits for room:
+what a socket does not take at once goes to a thread of its own (``_drain_backlog``).
+Submissions are held per peer (``_hold``) and leave together at the next cycle, a burst
+in one frame.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+
+from hvd_spark.collectives import messages as m
+from hvd_spark.collectives.tcp import wire
+from hvd_spark.errors import HvdSparkError, PeerDisconnectedError
+
+log = logging.getLogger(__name__)
+
+# How long a leaving rank waits for the others' goodbyes (and its backlog to go out).
+_BYE_WAIT_S = 10.0
+# How long rank 0 tries to tell a peer why it stops, before closing tells it anyway.
+_ABORT_SEND_S = 1.0
+
+
+class ControlMixin:
+    """The control-socket half of ``TcpEngine`` (a mixin: it uses the engine's lock,
+    failure and rank, set by ``EngineCore``).
+
+    ``_init_control`` sets up its state; the engine's constructor calls it once.
+    """
+
+    def _init_control(self, control: dict[int, socket.socket]) -> None:
+        """Take the control sockets (rank 0: one per other rank; others: ``{0: sock}``)."""
+        self._control = dict(control)
+        self._sock_rank = {s.fileno(): r for r, s in self._control.items()}
+        #: Control frames this rank sent (a burst of submissions shares one).
+        self.frames_sent = 0
+        self._send_lock = threading.Lock()
+        # Requests waiting to go to each peer (under _send_lock): submissions are held
+        # here as (kind, requests) and leave together at the next cycle, a burst in one
+        # frame (see ``TcpEngine._submitted``); anything else sent to that peer goes after.
+        self._outbox: dict[int, list[tuple[str, list[m.Request]]]] = {
+            peer: [] for peer in self._control}
+        self._wake_pending = False  # a wake byte is on its way (one per cycle is enough)
+        # Bytes for a peer that its socket did not take at once, in order (under
+        # _send_lock), and the peers whose backlog a thread is sending (see _send).
+        self._backlog: dict[int, collections.deque[list[memoryview]]] = {
+            peer: collections.deque() for peer in self._control}
+        self._draining: set[int] = set()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._bye_from: set[int] = set()
+        self._told_others = False
+
+    # ------------------------------------------------------------------ sending
+
+    def _hold(self, peer: int, kind: str, requests: list[m.Request]) -> None:
+        """Hold ``requests`` for ``peer``, in one frame with those held before them (the
+        caller holds the send lock and the lock)."""
+        box = self._outbox[peer]
+        if box and box[-1][0] == kind:
+            box[-1][1].extend(requests)
+        else:
+            box.append((kind, list(requests)))
+
+    def _send(self, peer: int, frames: list) -> None:
+        """Send what is held for ``peer``, then ``frames`` (the caller holds the send
+        lock). A failure fails the engine, and with it every pending operation.
+
+        The thread running the cycle sends here, on both ranks of a pair, so it must not
+        wait for room on the socket: the other rank's cycle may be waiting to send too,
+        and neither would read. What the socket does not take at once goes to a thread
+        that waits for it (``_drain_backlog``), and what follows queues behind it.
+        """
+        held = self._outbox[peer]
+        if held:
+            # Pickled now: a snapshot of the tensors riding along, taken before any
+            # reduction into them (pairs are decided only after this, see _decide).
+            frames = [*(wire.encode_obj(item, pooled=True) for item in held), *frames]
+            held.clear()
+        if not frames:
+            return
+        if peer in self._draining and self._failure is not None:
+            return  # its sender stopped on that failure: nothing more leaves
+        self.frames_sent += len(frames)
+        pieces = wire.frame_pieces(frames)
+        if peer not in self._draining:
+            pieces = wire.send_pieces_now(self._control[peer], pieces, f"rank {peer}")
+            if not pieces:
+                return
+            self._draining.add(peer)
+            threading.Thread(target=self._drain_backlog, args=(peer,), daemon=True,
+                             name=f"hvd-send-{peer}").start()
+        self._backlog[peer].append(pieces)
+
+    def _drain_backlog(self, peer: int) -> None:
+        """Send ``peer``'s backlog in order, waiting for room (up to the socket's
+        timeout); a failure fails the engine, as in ``_send``."""
+        sock, what = self._control[peer], f"rank {peer}"
+        while True:
+            with self._send_lock:
+                if not self._backlog[peer]:
+                    self._draining.discard(peer)
+                    return
+                pieces = self._backlog[peer].popleft()
+            try:
+                wire.send_pieces(sock, pieces, what)
+            except BaseException as exc:  # noqa: BLE001 - any error fails the engine
+                if not isinstance(exc, HvdSparkError):
+                    exc = PeerDisconnectedError(f"sending to {what} failed: {exc!r}")
+                with self._lock:
+                    if self._failure is None:
+                        self._failure = exc
+                with self._send_lock:
+                    self._backlog[peer].clear()
+                self._wake()  # the background thread fails what is pending
+                return  # (still "draining": nothing more goes out on that socket)
+
+    def _flush(self) -> None:
+        """Send every held frame (the cycle calls this)."""
+        if any(self._outbox.values()):
+            with self._send_lock:
+                for peer in self._outbox:
+                    self._send(peer, [])
+
+    def _wake(self) -> None:
+        if self._wake_pending:
+            return  # the thread has yet to read the last one: it will look anyway
+        self._wake_pending = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        # Cleared after draining (a byte sent meanwhile would be eaten with the flag
+        # still set, and no wake would ever be sent again) and before the caller looks
+        # for work: a submitter that still saw it set had queued or held its work
+        # already, so the cycle that follows takes that work.
+        self._wake_pending = False
+
+    # ------------------------------------------------------------------ receiving
+
+    def _recv_control(self, peer: int, sock: socket.socket) -> tuple[str, object]:
+        """The next control message from ``peer``: (kind, payload)."""
+        try:
+            return wire.recv_obj(sock, f"rank {peer}", pooled=True)
+        except PeerDisconnectedError:
+            raise PeerDisconnectedError(
+                f"rank {peer} disconnected (it exited or was killed) while rank {self.rank} "
+                f"was still running; see rank {peer}'s log for its error"
+            ) from None
+
+    def _tell_others(self, failure: BaseException | None) -> None:
+        """Rank 0: pass the reason it stopped to every rank before closing, so they fail
+        with the root cause ("rank 1 disconnected") instead of "rank 0 disconnected"."""
+        if (self._coordinator is None or self._told_others
+                or not isinstance(failure, PeerDisconnectedError)):
+            return
+        self._told_others = True
+        for peer, sock in self._control.items():
+            try:
+                with self._send_lock:
+                    if peer in self._draining:
+                        continue  # a frame is half sent there: closing tells it
+                    sock.settimeout(_ABORT_SEND_S)
+                    wire.send_obj(sock, ("abort", str(failure)), f"rank {peer}")
+            except (HvdSparkError, OSError):
+                pass  # that peer is gone too, or stuck: closing tells it anyway
+
+    # ------------------------------------------------------------------ leaving
+
+    def _leave(self) -> None:
+        """Graceful exit: everyone says bye to rank 0, which releases all once all did."""
+        if self.size == 1:
+            return
+        try:
+            if self._coordinator is None:
+                with self._send_lock:
+                    self._send(0, [wire.encode_obj(("bye", None))])
+                self._wait_for(lambda: 0 in self._bye_from)
+            else:
+                self._wait_for(lambda: len(self._bye_from) == self.size - 1)
+                with self._send_lock:
+                    for peer in self._control:
+                        self._send(peer, [wire.encode_obj(("bye", None))])
+            # A backlog's sender may still hold the goodbye: let it go before closing.
+            deadline = time.monotonic() + _BYE_WAIT_S
+            while self._draining and self._failure is None and time.monotonic() < deadline:
+                time.sleep(1e-3)
+        except HvdSparkError as exc:
+            log.debug("rank %d left without a clean goodbye: %s", self.rank, exc)
+
+    def _wait_for(self, condition) -> None:
+        deadline = time.monotonic() + _BYE_WAIT_S
+        while not condition():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            readable = wire.wait_readable(list(self._control.values()), left)
+            for sock in readable:
+                peer = self._sock_rank[sock.fileno()]
+                kind, _ = wire.recv_obj(sock, f"rank {peer}")
+                if kind == "bye":
+                    self._bye_from.add(peer)
+
+    def _close_sockets(self) -> None:
+        """Close the control and wake sockets: every peer blocked on us fails at once."""
+        for sock in [*self._control.values(), self._wake_r, self._wake_w]:
+            try:
+                # Shut down first: a close() alone sends nothing while a thread still
+                # waits in a send on it (a backlog's sender, see _send).
+                if sock in self._control.values():
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
+                sock.close()
+            except OSError:
+                pass
