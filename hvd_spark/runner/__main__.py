@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 
 from hvd_spark import __version__, _env
+from hvd_spark.config import DEFAULT_START_TIMEOUT_S
 from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
-from hvd_spark.runner import ssh_launcher
-from hvd_spark.runner.elastic_driver import ElasticSettings
-from hvd_spark.runner.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob
-from hvd_spark.runner.local_launcher import run_command
-from hvd_spark.runner.mpi_launcher import run_mpirun
+from hvd_spark.runner.elastic.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob
+from hvd_spark.runner.local import ssh_launcher
+from hvd_spark.runner.local.local_launcher import run_command
+from hvd_spark.runner.local.mpi_launcher import run_mpirun
+from hvd_spark.runner.run_config import ElasticConfig, RunConfig, Timeouts, heartbeat_limit
 
 # What a shell exits with for a command it cannot find / cannot execute.
 EXIT_NOT_FOUND = 127
@@ -57,6 +59,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("give the command to run, e.g. hvdrun -np 2 python train.py")
     if args.num_proc < 1:
         parser.error(f"-np must be at least 1, got {args.num_proc}")
+    try:
+        args.config = run_config(args)
+    except ConfigError as exc:
+        parser.error(re.sub(r"\b(start_)?timeout must", "--timeout must", str(exc)))
     args.elastic = any(v is not None for v in (
         args.min_np, args.max_np, args.elastic_timeout, args.reset_limit, args.cooldown))
     if args.elastic and args.mpi:
@@ -64,18 +70,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      "size")
     if args.elastic:
         try:
-            args.settings = ElasticSettings(
+            args.settings = ElasticConfig.of(
                 num_proc=args.num_proc,
                 min_np=args.min_np if args.min_np is not None else args.num_proc,
                 max_np=args.max_np if args.max_np is not None else args.num_proc,
-                start_timeout=args.timeout or 600.0,
+                start_timeout=args.config.timeouts.start_timeout,
                 elastic_timeout=args.elastic_timeout or 600.0,
                 reset_limit=args.reset_limit,
-                heartbeat_s=_env.get_float(_env.HEARTBEAT, 10.0))
+                heartbeat_s=args.config.timeouts.heartbeat_s)
         except ConfigError as exc:
             parser.error(str(exc).replace("min_np", "--min-np").replace("max_np", "--max-np")
                          .replace("num_proc", "-np"))
     return args
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """hvdrun's options as a ``RunConfig``: ``--timeout`` bounds the start and every
+    collective (the ranks read it from their environment), ``--network-interface``
+    names the ranks' interface.
+
+    Raises:
+        ConfigError: A timeout that is not positive seconds.
+    """
+    timeouts = Timeouts(start_timeout=args.timeout or DEFAULT_START_TIMEOUT_S,
+                        collective_timeout=args.timeout, heartbeat_s=heartbeat_limit({}))
+    env = {}
+    if timeouts.collective_timeout is not None:
+        env[_env.TIMEOUT] = str(timeouts.collective_timeout)
+        env[_env.START_TIMEOUT] = str(timeouts.collective_timeout)
+    if args.nics:
+        env[_env.IFACE] = ",".join(args.nics)
+    return RunConfig(num_proc=args.num_proc, env=env, timeouts=timeouts)
 
 
 def _command_problem(program: str) -> tuple[int, str] | None:
@@ -99,20 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         code, line = problem
         print(f"hvdrun: cannot run {line}", file=sys.stderr)
         return code
-    env = {}
-    if args.timeout is not None:
-        env[_env.TIMEOUT] = str(args.timeout)
-        env[_env.START_TIMEOUT] = str(args.timeout)
-    if args.nics:
-        env[_env.IFACE] = ",".join(args.nics)
     if args.hosts or args.hostfile:
-        return _run_hosts(args, env)
+        return _run_hosts(args)
     if args.elastic:
-        return _run_elastic(args, env)
+        return _run_elastic(args)
     if args.mpi:
-        return _run_mpi(args, env)
+        return _run_mpi(args)
     try:
-        failures = run_command(args.command, args.num_proc, env)
+        failures = run_command(args.command, args.config)
     except OSError as exc:  # the program vanished or lost its permissions after the check
         print(f"hvdrun: cannot run {args.command[0]}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
@@ -123,11 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_hosts(args: argparse.Namespace, env: dict[str, str]) -> int:
+def _run_hosts(args: argparse.Namespace) -> int:
     try:
         failures = ssh_launcher.run_on_hosts(
-            args.command, args.num_proc, ssh_launcher.host_slots_from(args), env,
-            args.ssh_port, args.ssh_identity_file)
+            args.command, ssh_launcher.host_slots_from(args), args.config, args.ssh_port,
+            args.ssh_identity_file)
     except ConfigError as exc:
         print(f"hvdrun: {exc}", file=sys.stderr)
         return 2
@@ -138,18 +157,18 @@ def _run_hosts(args: argparse.Namespace, env: dict[str, str]) -> int:
     return 0
 
 
-def _run_mpi(args: argparse.Namespace, env: dict[str, str]) -> int:
+def _run_mpi(args: argparse.Namespace) -> int:
     try:
-        return run_mpirun(args.num_proc, args.command, env)
+        return run_mpirun(args.command, args.config)
     except ConfigError as exc:  # no mpirun, or one we do not know
         print(f"hvdrun: {exc}", file=sys.stderr)
         return 1
 
 
-def _run_elastic(args: argparse.Namespace, env: dict[str, str]) -> int:
+def _run_elastic(args: argparse.Namespace) -> int:
     cooldown = DEFAULT_COOLDOWN_S if args.cooldown is None else args.cooldown
     try:
-        with ElasticLocalJob(args.settings, args.command, env,
+        with ElasticLocalJob(args.settings, args.command, dict(args.config.env),
                              cooldown=None if cooldown < 0 else cooldown) as job:
             job.run()
     except ElasticJobError as exc:

@@ -14,32 +14,16 @@ from typing import IO, Any
 import cloudpickle
 
 from hvd_spark import _env
-from hvd_spark.config import DEFAULT_START_TIMEOUT_S
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import mlflow_env, spark_launcher, worker
+from hvd_spark.runner import mlflow_env, worker
 from hvd_spark.runner.console import verbose_logging
-from hvd_spark.runner.driver_service import DriverService
-from hvd_spark.runner.local_launcher import pickle_job
 from hvd_spark.runner.output import OutputForwarder
-from hvd_spark.runner.spark_task import TaskSpec
+from hvd_spark.runner.run_config import RunConfig
+from hvd_spark.runner.spark import spark_launcher
+from hvd_spark.runner.spark.driver_service import DriverService
+from hvd_spark.runner.spark.spark_task import TaskSpec
 
 log = logging.getLogger("hvd_spark.runner")
-
-
-def _check_env(env: dict[str, str] | None) -> dict[str, str]:
-    env = dict(env or {})
-    bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
-    if bad:
-        raise ConfigError(f"env must map str to str; not so for {bad!r}")
-    return env
-
-
-def _start_timeout(start_timeout: float | None) -> float:
-    if start_timeout is None:
-        start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
-    if start_timeout <= 0:
-        raise ConfigError(f"start_timeout must be positive seconds, got {start_timeout}")
-    return float(start_timeout)
 
 
 def horovod_keywords(env: dict[str, str] | None, *, extra_mpi_args: str | None,
@@ -123,13 +107,15 @@ def run(
 
     Args:
         fn: The function each rank runs (pickled with cloudpickle).
-        args, kwargs: Its arguments.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
         num_proc: Number of ranks; default ``sparkContext.defaultParallelism``.
         start_timeout: Seconds for all tasks to start and the ranks to connect; default
             ``HVD_SPARK_START_TIMEOUT``, else 600.
         env: Variables added to every rank's environment.
-        stdout, stderr: Streams receiving the ranks' output lines, prefixed ``[rank]``;
-            default the driver's ``sys.stdout``/``sys.stderr`` (a notebook cell shows them live).
+        stdout: Stream receiving the ranks' stdout lines, prefixed ``[rank]``; default the
+            driver's ``sys.stdout`` (a notebook cell shows them live).
+        stderr: Likewise for their stderr lines; default the driver's ``sys.stderr``.
         verbose: 0 quiet, 1 log the start and end of the run, 2 also timings (``logging``).
         use_gpu: Show the ranks of each host that host's GPUs of the job as
             ``CUDA_VISIBLE_DEVICES``, each rank's own at device ``local_rank`` (its index in
@@ -137,13 +123,14 @@ def run(
             ``spark.task.resource.gpu.amount`` is set. True on a session that schedules
             no GPUs is a ConfigError before anything starts.
         prefix_output_with_timestamp: Start each forwarded line with the time.
-        extra_mpi_args, nics, executable, use_mpi, use_gloo: Horovod's keywords, accepted
-            so that Horovod calls run unchanged. ``nics`` (one interface name, or the
-            first of several) sets ``HVD_SPARK_IFACE`` for the ranks; ``use_gloo`` is
-            what always happens (our TCP ring plays Gloo's part). The others do not
-            apply and are ignored with one log line each: there is no MPI launcher
-            under Spark, and the ranks run in their task's Python
-            (``spark.pyspark.python``).
+        extra_mpi_args: Horovod's keyword, accepted so that Horovod calls run unchanged;
+            ignored with one log line (there is no MPI launcher under Spark).
+        nics: One interface name, or several of which the first is used: sets
+            ``HVD_SPARK_IFACE`` for the ranks.
+        executable: Horovod's keyword; ignored with one log line (the ranks run in their
+            task's Python, ``spark.pyspark.python``).
+        use_mpi: Horovod's keyword; ignored with one log line (no MPI under Spark).
+        use_gloo: Horovod's keyword: what always happens (our TCP ring plays Gloo's part).
         progress: Receives the structured progress events that training loops send
             (``hvd_spark.runner.progress_events.send``) as ``(rank, event)``, on a
             thread of the driver service; the Estimators draw them as a progress bar.
@@ -189,41 +176,37 @@ def run_with_report(
 
     Same as ``run`` but returns a ``RunReport`` (results, hosts, timings).
     """
+    payload = worker.pickle_job(fn, args, kwargs)
+    config = RunConfig.from_kwargs(
+        num_proc=num_proc, start_timeout=start_timeout, env=env, stdout=stdout, stderr=stderr,
+        verbose=verbose, use_gpu=use_gpu, prefix_output_with_timestamp=prefix_output_with_timestamp,
+        progress=progress, on_output=on_output)
     with verbose_logging(verbose):
-        return _run_with_report(fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr,
-                                verbose, use_gpu, prefix_output_with_timestamp, progress,
-                                on_output)
+        return _run_with_report(payload, config)
 
 
-def _run_with_report(
-    fn: Callable, args: Sequence, kwargs: dict | None, num_proc: int | None,
-    start_timeout: float | None, env: dict[str, str] | None, stdout: IO[str] | None,
-    stderr: IO[str] | None, verbose: int, use_gpu: bool | None,
-    prefix_output_with_timestamp: bool, progress: Callable[[int, dict[str, Any]], None] | None,
-    on_output: Callable[[int, str, str], None] | None,
-) -> RunReport:
-    payload = pickle_job(fn, args, kwargs)
+def _run_with_report(payload: bytes, config: RunConfig) -> RunReport:
     # The driver's MLflow run reaches the ranks; the caller's env wins over it.
-    user_env = {**mlflow_env.driver_env(), **_check_env(env)}
-    timeout = _start_timeout(start_timeout)
+    user_env = {**mlflow_env.driver_env(), **config.env}
+    timeout = config.timeouts.start_timeout
     spark = spark_launcher.active_session()
     sc = spark_launcher.cluster_context(spark)  # a SparkContext, or its Connect stand-in
-    num_proc = sc.defaultParallelism if num_proc is None else num_proc
-    if not isinstance(num_proc, int) or num_proc < 1:
-        raise ConfigError(f"num_proc must be a positive integer, got {num_proc!r}")
-    gpu = spark_launcher.resolve_use_gpu(sc, use_gpu)
+    num_proc = sc.defaultParallelism if config.num_proc is None else config.num_proc
+    config = config.with_num_proc(num_proc)  # checked again: the default comes from Spark
+    gpu = spark_launcher.resolve_use_gpu(sc, config.use_gpu)
     spark_launcher.check_cluster(sc, num_proc)
     bind_host, advertise_host = spark_launcher.driver_hosts(sc)
-    level = logging.INFO if verbose >= 1 else logging.DEBUG
-    output = OutputForwarder(stdout or sys.stdout, stderr or sys.stderr,
-                             timestamps=prefix_output_with_timestamp, tee=on_output)
+    level = logging.INFO if config.verbose >= 1 else logging.DEBUG
+    output = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr,
+                             timestamps=config.prefix_output_with_timestamp,
+                             tee=config.on_output)
     secret = secrets.token_bytes(32)
     started = time.monotonic()
     with DriverService(num_proc, secret, bind_host, advertise_host, output,
-                       progress=progress) as service:
-        service.set(worker.FN_KEY, payload)
+                       progress=config.progress) as service:
         spec = TaskSpec(service.addr, secret, timeout, user_env, gpu, uuid.uuid4().hex[:12])
-        launch = spark_launcher.SparkLaunch(spark, service, spec, timeout)
+        launch = spark_launcher.SparkLaunch(spark, service, spec, config.timeouts)
+        launch.publish(payload)
         log.log(level, "hvd_spark.run: starting %d ranks (job group %s, service %s)",
                 num_proc, launch.job_group, service.addr)
         submitted_at = time.time()
@@ -237,7 +220,7 @@ def _run_with_report(
             all_registered_at=service.all_registered_at or submitted_at,
             finished_at=time.time(),
         )
-    if verbose >= 2:
+    if config.verbose >= 2:
         log.info("hvd_spark.run: tasks started %.3f s after submission, all registered "
                  "%.3f s later", report.first_registered_at - submitted_at,
                  report.all_registered_at - report.first_registered_at)

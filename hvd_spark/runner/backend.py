@@ -25,7 +25,8 @@ class Backend:
 
         Args:
             fn: The function each rank runs.
-            args, kwargs: Its arguments.
+            args: Its positional arguments.
+            kwargs: Its keyword arguments.
             env: Variables added to every rank's environment (on top of the backend's).
         """
         raise NotImplementedError
@@ -44,7 +45,8 @@ class SparkBackend(Backend):
         env: Variables added to every rank's environment. Unlike Horovod, the ranks
             always inherit their executor's environment, so the driver's ``os.environ``
             is not copied over (it would carry driver-only paths to the executors).
-        stdout, stderr: Streams receiving the ranks' output, prefixed ``[rank]``.
+        stdout: Stream receiving the ranks' stdout lines, prefixed ``[rank]``.
+        stderr: Stream receiving the ranks' stderr lines, prefixed ``[rank]``.
         prefix_output_with_timestamp: Start each forwarded line with the time.
         verbose: 0 quiet, 1 the start and end of the run, 2 also timings.
         start_timeout: Seconds for every task to start and the ranks to connect.
@@ -88,14 +90,18 @@ class SparkBackend(Backend):
 
     def num_processes(self) -> int:
         if self._num_proc is None:
-            from hvd_spark.runner.spark_launcher import active_session, cluster_context
+            from hvd_spark.runner.spark.spark_launcher import active_session, cluster_context
 
             self._num_proc = cluster_context(active_session()).defaultParallelism
         return self._num_proc
 
     def available_slots(self) -> int:
         """Task slots of the executors alive now (a lost executor no longer counts)."""
-        from hvd_spark.runner.spark_launcher import active_session, cluster_context, task_slots
+        from hvd_spark.runner.spark.spark_launcher import (
+            active_session,
+            cluster_context,
+            task_slots,
+        )
 
         sc = cluster_context(active_session())
         if not sc.master.startswith("local-cluster") and sc.master.startswith("local"):

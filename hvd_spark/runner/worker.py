@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable, Sequence
 
 import cloudpickle
 
@@ -21,6 +22,21 @@ from hvd_spark.runner.failures import WorkerFailure
 
 FN_KEY = "fn"
 REPORT = "report"
+
+
+def pickle_job(fn: Callable, args: Sequence, kwargs: dict | None) -> bytes:
+    """Pickle ``(fn, args, kwargs)`` or raise a ConfigError naming what is not picklable."""
+    if not callable(fn):
+        raise ConfigError(f"fn must be callable, got {type(fn).__name__}")
+    for what, value in (("fn", fn), ("args", tuple(args)), ("kwargs", dict(kwargs or {}))):
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the culprit named
+            raise ConfigError(
+                f"{what} cannot be pickled to send to the workers: {exc}. Create such objects "
+                "(sessions, locks, open files) inside fn instead of capturing them"
+            ) from exc
+    return cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
 
 
 def _hostname() -> str:

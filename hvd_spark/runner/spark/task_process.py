@@ -24,7 +24,7 @@ from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
-from hvd_spark.runner.driver_service import LOG, STOP_KEY
+from hvd_spark.runner.spark.driver_service import LOG, STOP_KEY
 
 #: Seconds a worker gets between SIGTERM and SIGKILL, and to be reaped after SIGKILL.
 KILL_GRACE_S = 2.0

@@ -1,4 +1,4 @@
-"""``python -m hvd_spark.runner.remote_rank COMMAND...``: one rank on a host, under ssh.
+"""``python -m hvd_spark.runner.local.remote_rank COMMAND...``: one rank on a host, under ssh.
 
 hvdrun starts this on every host (over ssh, or directly on its own machine). It reads
 one JSON line from stdin, the rank's environment (kept off the command line, where
@@ -56,7 +56,7 @@ def _read_env() -> dict[str, str]:
     finally:
         timer.cancel()
     if not line:
-        sys.stderr.write("hvd_spark.runner.remote_rank: the launcher sent no environment\n")
+        sys.stderr.write("hvd_spark.runner.local.remote_rank: the launcher sent no environment\n")
         sys.exit(2)
     env = json.loads(line)
     return {str(k): str(v) for k, v in env.items()}
@@ -65,7 +65,7 @@ def _read_env() -> dict[str, str]:
 def main(argv: list[str]) -> int:
     """Run ``argv`` as the rank; return its exit code in a shell's convention."""
     if not argv:
-        sys.stderr.write("usage: python -m hvd_spark.runner.remote_rank COMMAND...\n")
+        sys.stderr.write("usage: python -m hvd_spark.runner.local.remote_rank COMMAND...\n")
         return 2
     env = {**os.environ, **_read_env()}
     try:

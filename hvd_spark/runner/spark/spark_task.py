@@ -5,7 +5,7 @@ learns its rank, starts ``python -m hvd_spark.runner.worker`` as a child in its 
 process group, sends the child's output lines to the driver, and reports how the
 child ended. The child dies with the task (PR_SET_PDEATHSIG), when the driver says
 stop, and its whole process group is killed when the task returns (see
-``hvd_spark.runner.task_process``, shared with the elastic tasks).
+``hvd_spark.runner.spark.task_process``, shared with the elastic tasks).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
-from hvd_spark.runner.driver_service import EXIT, REGISTER, TASK_ERROR
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.rendezvous import RankInfo
-from hvd_spark.runner.task_process import (
+from hvd_spark.runner.spark.driver_service import EXIT, REGISTER, TASK_ERROR
+from hvd_spark.runner.spark.task_process import (
     DRAIN_S,
     LogSender,
     reap_worker,

@@ -29,10 +29,11 @@ from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import ElasticJobError, WorkerFailedError
 from hvd_spark.runner import worker
-from hvd_spark.runner.elastic_driver import ElasticDriver, ElasticSettings
+from hvd_spark.runner.elastic.elastic_driver import ElasticDriver
 from hvd_spark.runner.failures import WorkerFailure
-from hvd_spark.runner.local_launcher import die_with_parent, pickle_job
+from hvd_spark.runner.local.local_launcher import die_with_parent
 from hvd_spark.runner.output import OutputForwarder
+from hvd_spark.runner.run_config import ElasticConfig
 
 DEFAULT_COOLDOWN_S = 5.0
 _FINISH_GRACE_S = 60.0
@@ -53,7 +54,7 @@ class ElasticLocalJob:
 
     def __init__(
         self,
-        settings: ElasticSettings,
+        settings: ElasticConfig,
         command: Sequence[str],
         env: dict[str, str] | None = None,
         cooldown: float | None = DEFAULT_COOLDOWN_S,
@@ -238,13 +239,13 @@ def run_elastic_local(
     ``fn`` should use ``hvd.elastic.run`` and a ``State`` to survive lost workers.
     """
     num_proc = num_proc if num_proc is not None else (os.cpu_count() or 1)
-    settings = ElasticSettings(
+    settings = ElasticConfig.of(
         num_proc=num_proc, min_np=min_np or num_proc, max_np=max_np or num_proc,
         start_timeout=start_timeout or 600.0, elastic_timeout=elastic_timeout or 600.0,
         reset_limit=reset_limit,
         heartbeat_s=_env.get_float(_env.HEARTBEAT, 10.0),
     )
-    payload = pickle_job(fn, args, kwargs)
+    payload = worker.pickle_job(fn, args, kwargs)
     command = [sys.executable, "-m", "hvd_spark.runner.worker"]
     with ElasticLocalJob(settings, command, env, cooldown, stdout, stderr) as job:
         job.store.set(worker.FN_KEY, payload)

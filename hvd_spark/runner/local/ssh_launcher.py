@@ -2,7 +2,7 @@
 
 Each rank starts over ssh (keys as the user has them; ``--ssh-port``,
 ``--ssh-identity-file``, extra ssh arguments in ``HVD_SPARK_SSH_OPTS``) as
-``python -m hvd_spark.runner.remote_rank command``, which receives the rank's
+``python -m hvd_spark.runner.local.remote_rank command``, which receives the rank's
 environment on stdin: this process's exportable environment (as Horovod forwards it),
 the user's and the rank's variables. Ranks on this machine (``localhost``, its hostname)
 start without ssh the same way. Output lines come back prefixed with the rank; when one
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import re
@@ -26,9 +27,15 @@ from typing import IO
 
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import hosts as hostlist
-from hvd_spark.runner.local_launcher import LocalJob, die_with_parent, heartbeat_limit
+from hvd_spark.runner.local import hosts as hostlist
+from hvd_spark.runner.local.local_launcher import (
+    WORKER_COMMAND,
+    LocalJob,
+    die_with_parent,
+    local_config,
+)
 from hvd_spark.runner.rendezvous import RankInfo
+from hvd_spark.runner.run_config import RunConfig, Timeouts
 
 SSH_OPTS = "HVD_SPARK_SSH_OPTS"
 _CHECK_TIMEOUT_S = 20.0
@@ -81,17 +88,22 @@ class SshJob(LocalJob):
         env: Extra variables for every rank.
         ssh_port, ssh_identity: Passed to ssh for every remote host.
         stdout, stderr: Streams receiving the ranks' prefixed output lines.
+        timeouts: The heartbeat limit and stop grace (default: ``heartbeat_limit()``).
     """
 
     def __init__(self, placement: list[RankInfo], env: dict[str, str] | None = None,
                  ssh_port: int | None = None, ssh_identity: str | None = None,
-                 stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> None:
+                 stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+                 timeouts: Timeouts | None = None) -> None:
         remote = [h for h in dict.fromkeys(i.host for i in placement) if not hostlist.is_local(h)]
         # Local ranks dial the store on loopback unless remote peers must reach them.
         self._dial = {h: route_source(h) for h in remote}
         self._local_addr = next(iter(self._dial.values()), "127.0.0.1")
-        super().__init__(len(placement), env, stdout, stderr,
-                         bind_host="0.0.0.0" if remote else "127.0.0.1")
+        config = local_config(num_proc=len(placement), env=env or {}, stdout=stdout,
+                              stderr=stderr)
+        if timeouts is not None:
+            config = dataclasses.replace(config, timeouts=timeouts)
+        super().__init__(config, bind_host="0.0.0.0" if remote else "127.0.0.1")
         self.placement = placement
         self.ssh_port, self.ssh_identity = ssh_port, ssh_identity
 
@@ -105,7 +117,7 @@ class SshJob(LocalJob):
         env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
                                        info.cross_rank, info.cross_size, info.host))
         env.update({_env.RENDEZVOUS_ADDR: f"{store}:{self.store.port}",
-                    _env.SECRET: self.secret.hex(), _env.HEARTBEAT: str(heartbeat_limit()),
+                    _env.SECRET: self.secret.hex(), _env.HEARTBEAT: str(self.timeouts.heartbeat_s),
                     "PYTHONUNBUFFERED": "1"})
         if store != "127.0.0.1" and hostlist.is_local(info.host) and not env.get(_env.IFACE):
             env.setdefault(_env.ADVERTISE_ADDR, store)  # remote peers must reach it
@@ -113,7 +125,7 @@ class SshJob(LocalJob):
 
     def command_for(self, info: RankInfo, command: Sequence[str]) -> list[str]:
         """The local argv that starts rank ``info.rank`` on its host."""
-        supervised = [sys.executable, "-m", "hvd_spark.runner.remote_rank", *command]
+        supervised = [sys.executable, "-m", "hvd_spark.runner.local.remote_rank", *command]
         if hostlist.is_local(info.host):
             return supervised
         remote = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; exec {shlex.join(supervised)}"
@@ -148,8 +160,11 @@ class SshJob(LocalJob):
                 + "; ".join(problems) + ". hvdrun needs passwordless ssh to every host "
                 "(check --ssh-port, --ssh-identity-file, HVD_SPARK_SSH_OPTS)")
 
-    def start(self, command: Sequence[str]) -> None:
-        """Start every rank; each one's environment goes down its stdin."""
+    def start(self, command: Sequence[str] | None = None) -> None:
+        """Start every rank (``command``, default the published function); each one's
+        environment goes down its stdin."""
+        self._expect_reports = command is None
+        command = WORKER_COMMAND if command is None else command
         for info in self.placement:
             proc = subprocess.Popen(
                 self.command_for(info, command), stdin=subprocess.PIPE,
@@ -199,18 +214,22 @@ def host_slots_from(args: argparse.Namespace) -> list[hostlist.HostSlots] | None
     return None
 
 
-def run_on_hosts(command: Sequence[str], num_proc: int, host_slots: list[hostlist.HostSlots],
-                 env: dict[str, str] | None = None, ssh_port: int | None = None,
+def run_on_hosts(command: Sequence[str], host_slots: list[hostlist.HostSlots],
+                 config: RunConfig, ssh_port: int | None = None,
                  ssh_identity: str | None = None) -> list:
-    """Run ``command`` as ``num_proc`` ranks placed on ``host_slots``; return the failures.
+    """Run ``command`` as ``config.num_proc`` ranks placed on ``host_slots``; return the
+    failures.
 
     Raises:
         ConfigError: Too few slots, an unknown host, or a host that does not answer ssh.
     """
     if ssh_identity is not None and not os.path.isfile(ssh_identity):
         raise ConfigError(f"--ssh-identity-file {ssh_identity}: no such file")
-    placement = hostlist.place_ranks(host_slots, num_proc)
-    with SshJob(placement, env, ssh_port, ssh_identity) as job:
+    if config.num_proc is None:
+        raise ConfigError("num_proc must be a positive integer, got None")
+    placement = hostlist.place_ranks(host_slots, config.num_proc)
+    with SshJob(placement, dict(config.env), ssh_port, ssh_identity,
+                stdout=config.stdout, stderr=config.stderr, timeouts=config.timeouts) as job:
         job.check_hosts()
         job.start(command)
-        return job.wait(expect_reports=False)
+        return job.watch()

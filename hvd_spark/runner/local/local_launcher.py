@@ -30,26 +30,14 @@ from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.runner import worker
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
+from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.output import OutputForwarder
+from hvd_spark.runner.run_config import DEFAULT_HEARTBEAT_S, RunConfig, Timeouts
 
 _TEARDOWN_GRACE_S = 3.0
-DEFAULT_HEARTBEAT_S = 10.0
+#: What each rank runs when the job is a function: fetch it, run it, report.
+WORKER_COMMAND = (sys.executable, "-m", "hvd_spark.runner.worker")
 _HOST = "localhost"
-
-
-def pickle_job(fn: Callable, args: Sequence, kwargs: dict | None) -> bytes:
-    """Pickle ``(fn, args, kwargs)`` or raise a ConfigError naming what is not picklable."""
-    if not callable(fn):
-        raise ConfigError(f"fn must be callable, got {type(fn).__name__}")
-    for what, value in (("fn", fn), ("args", tuple(args)), ("kwargs", dict(kwargs or {}))):
-        try:
-            cloudpickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the culprit named
-            raise ConfigError(
-                f"{what} cannot be pickled to send to the workers: {exc}. Create such objects "
-                "(sessions, locks, open files) inside fn instead of capturing them"
-            ) from exc
-    return cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
 
 
 def die_with_parent() -> None:
@@ -63,48 +51,49 @@ def heartbeat_limit() -> float:
     return _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
 
 
-def rank_env(rank: int, size: int, store_port: int, secret: bytes) -> dict[str, str]:
-    """The variables of one local rank: ours, and Horovod's and torch's names for them."""
+def rank_env(rank: int, size: int, store_port: int, secret: bytes,
+             heartbeat_s: float | None = None) -> dict[str, str]:
+    """The variables of one local rank: ours, and Horovod's and torch's names for them.
+
+    ``heartbeat_s`` defaults to ``heartbeat_limit()``.
+    """
     return {
         **_env.rank_variables(rank, size, rank, size, 0, 1, socket.gethostname()),
         _env.RENDEZVOUS_ADDR: f"127.0.0.1:{store_port}",
         _env.SECRET: secret.hex(),
-        _env.HEARTBEAT: str(heartbeat_limit()),
+        _env.HEARTBEAT: str(heartbeat_limit() if heartbeat_s is None else heartbeat_s),
         "PYTHONUNBUFFERED": "1",
     }
 
 
-class LocalJob:
+class LocalJob(Launcher):
     """One launch of N local ranks.
 
     Args:
-        num_proc: Number of ranks.
-        env: Extra environment variables for every rank.
-        stdout, stderr: Streams receiving the ranks' prefixed output lines.
+        config: The number of ranks, their extra environment variables, the streams
+            receiving their prefixed output lines, the heartbeat limit and stop grace.
         bind_host: Interface the rendezvous store listens on (hosts other than this
             one need an address they can reach, e.g. "0.0.0.0").
     """
 
-    def __init__(
-        self,
-        num_proc: int,
-        env: dict[str, str] | None = None,
-        stdout: IO[str] | None = None,
-        stderr: IO[str] | None = None,
-        bind_host: str = "127.0.0.1",
-    ) -> None:
-        if not isinstance(num_proc, int) or num_proc < 1:
-            raise ConfigError(f"num_proc must be a positive integer, got {num_proc!r}")
-        self.num_proc = num_proc
+    def __init__(self, config: RunConfig, bind_host: str = "127.0.0.1") -> None:
+        if config.num_proc is None:
+            raise ConfigError("num_proc must be a positive integer, got None")
+        self.num_proc = config.num_proc
+        self.timeouts = config.timeouts
         self.secret = secrets.token_bytes(32)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self.heartbeats = HeartbeatMonitor(heartbeat_limit(), self._on_silent)
+        self.heartbeats = HeartbeatMonitor(self.timeouts.heartbeat_s, self._on_silent)
         self.store = StoreServer(self.secret, bind_host, {
             worker.REPORT: self._on_report, BEAT: self.heartbeats.beat})
-        self._env = dict(env or {})
-        self._output = OutputForwarder(stdout or sys.stdout, stderr or sys.stderr)
+        self._env = dict(config.env)
+        self._output = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr,
+                                       timestamps=config.prefix_output_with_timestamp,
+                                       tee=config.on_output)
         self.procs: list[subprocess.Popen] = []
         self.results: dict[int, bytes] = {}
+        self.failures: list[WorkerFailure] = []
+        self._expect_reports = False
 
     def host_of(self, rank: int) -> str:
         """The host rank ``rank`` runs on, as failures name it."""
@@ -116,11 +105,17 @@ class LocalJob:
     def _on_silent(self, rank: int, seconds: float) -> None:
         self._events.put(("silent", rank, seconds, None, time.time()))
 
-    def start(self, command: Sequence[str]) -> None:
-        """Start one process per rank running ``command``."""
+    def publish(self, payload: bytes) -> None:
+        """Put the pickled function where the ranks' ``worker`` fetches it."""
+        self.store.set(worker.FN_KEY, payload)
+
+    def start(self, command: Sequence[str] | None = None) -> None:
+        """Start one process per rank running ``command`` (default: the published function)."""
+        self._expect_reports = command is None
+        command = WORKER_COMMAND if command is None else command
         for rank in range(self.num_proc):
-            env = {**os.environ, **self._env,
-                   **rank_env(rank, self.num_proc, self.store.port, self.secret)}
+            env = {**os.environ, **self._env, **rank_env(
+                rank, self.num_proc, self.store.port, self.secret, self.timeouts.heartbeat_s)}
             proc = subprocess.Popen(
                 list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, preexec_fn=die_with_parent,
@@ -133,8 +128,16 @@ class LocalJob:
         code = proc.wait()
         self._events.put(("exit", rank, code, None, time.time()))
 
-    def wait(self, expect_reports: bool) -> list[WorkerFailure]:
+    def watch(self) -> list[WorkerFailure]:
         """Wait for every rank to end; return the failures (empty on success)."""
+        return self.wait(self._expect_reports)
+
+    def wait(self, expect_reports: bool) -> list[WorkerFailure]:
+        """Wait for every rank to end; return the failures (empty on success).
+
+        Args:
+            expect_reports: The ranks run the function, so each must report a result.
+        """
         failures: dict[int, WorkerFailure] = {}
         exited: dict[int, int] = {}
         torn_down_at: float | None = None
@@ -168,7 +171,18 @@ class LocalJob:
                 self._signal_all(signal.SIGTERM)
         self._drain_reports(failures)
         self._output.close()
-        return list(failures.values())
+        self.failures = list(failures.values())
+        return self.failures
+
+    def collect(self) -> list[bytes]:
+        """The pickled results in rank order.
+
+        Raises:
+            WorkerFailedError: A rank failed.
+        """
+        if self.failures:
+            raise WorkerFailedError(self.failures)
+        return [self.results[r] for r in range(self.num_proc)]
 
     def _drain_reports(self, failures: dict[int, WorkerFailure]) -> None:
         # A report may arrive just after its process's exit event: prefer the report.
@@ -188,12 +202,27 @@ class LocalJob:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)
 
+    def stop(self) -> None:
+        """SIGTERM every rank's process group, SIGKILL what is left after the grace."""
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.timeouts.stop_grace
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        self._signal_all(signal.SIGKILL)
+        for proc in self.procs:
+            with contextlib.suppress(Exception):
+                proc.wait(5)
+
     def close(self) -> None:
         """Kill anything still running, remove what killed ranks left, stop the store."""
         self._signal_all(signal.SIGKILL)
         for proc in self.procs:
             with contextlib.suppress(Exception):
                 proc.wait(5)
+            if proc.stdin is not None:  # the ssh launcher keeps each rank's stdin open
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
         remove_segments(job_tag(self.secret))
         self.heartbeats.close()
         self.store.close()
@@ -219,30 +248,32 @@ def run_local(
     Args:
         fn: The function each rank runs; it may call ``hvd_spark.collectives.init()``
             (or the torch/tensorflow bindings' ``init``).
-        args, kwargs: Arguments passed to ``fn`` (pickled with cloudpickle).
+        args: Positional arguments passed to ``fn`` (pickled with cloudpickle).
+        kwargs: Keyword arguments passed to ``fn`` (pickled likewise).
         num_proc: Number of ranks (default: number of CPUs).
         env: Extra environment variables for the ranks.
-        stdout, stderr: Streams receiving the ranks' output, each line prefixed ``[rank]``.
+        stdout: Stream receiving the ranks' stdout, each line prefixed ``[rank]``.
+        stderr: Stream receiving the ranks' stderr, each line prefixed ``[rank]``.
 
     Raises:
         WorkerFailedError: A rank failed; the others were stopped.
         ConfigError: Bad arguments, or something cannot be pickled.
     """
     num_proc = num_proc if num_proc is not None else (os.cpu_count() or 1)
-    payload = pickle_job(fn, args, kwargs)
-    with LocalJob(num_proc, env, stdout, stderr) as job:
-        job.store.set(worker.FN_KEY, payload)
-        job.start([sys.executable, "-m", "hvd_spark.runner.worker"])
-        failures = job.wait(expect_reports=True)
-        if failures:
-            raise WorkerFailedError(failures)
-        return [cloudpickle.loads(job.results[r]) for r in range(num_proc)]
+    payload = worker.pickle_job(fn, args, kwargs)
+    config = local_config(num_proc=num_proc, env=env, stdout=stdout, stderr=stderr)
+    with LocalJob(config) as job:
+        return [cloudpickle.loads(result) for result in job.run(payload)]
 
 
-def run_command(
-    command: Sequence[str], num_proc: int, env: dict[str, str] | None = None
-) -> list[WorkerFailure]:
-    """Run ``command`` as ``num_proc`` ranks (the ``hvdrun`` CLI); return the failures."""
-    with LocalJob(num_proc, env) as job:
+def local_config(**kwargs: Any) -> RunConfig:
+    """A ``RunConfig`` for ranks on this machine: the heartbeat limit is
+    ``heartbeat_limit()`` (this process's ``HVD_SPARK_HEARTBEAT_S``, else 10 s)."""
+    return RunConfig(timeouts=Timeouts(heartbeat_s=heartbeat_limit()), **kwargs)
+
+
+def run_command(command: Sequence[str], config: RunConfig) -> list[WorkerFailure]:
+    """Run ``command`` as ``config.num_proc`` ranks (the ``hvdrun`` CLI); return the failures."""
+    with LocalJob(config) as job:
         job.start(command)
-        return job.wait(expect_reports=False)
+        return job.watch()

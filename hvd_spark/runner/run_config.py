@@ -1,0 +1,219 @@
+"""A run's settings, checked once: ``RunConfig``, ``ElasticConfig`` and their ``Timeouts``.
+
+``hvd_spark.run``, ``run_elastic`` and ``hvdrun`` build these from their public keyword
+arguments (or options) and hand them down, so a launcher reads one validated object
+instead of a dozen loose arguments. Each check names the parameter and how to fix it.
+Nothing here imports pyspark or starts anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import types
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+from hvd_spark import _env
+from hvd_spark.collectives.heartbeat import DEFAULT_HEARTBEAT_S
+from hvd_spark.config import DEFAULT_START_TIMEOUT_S
+from hvd_spark.errors import ConfigError
+
+#: Seconds an elastic ring may take to re-form after a loss (``HVD_SPARK_ELASTIC_TIMEOUT``).
+DEFAULT_ELASTIC_TIMEOUT_S = 600.0
+#: Seconds ``Launcher.stop`` gives the ranks to end before it kills what is left.
+DEFAULT_STOP_GRACE_S = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Every deadline of one run, in seconds.
+
+    Attributes:
+        start_timeout: For every rank to start and register (and the first ring to form).
+        elastic_timeout: For a broken elastic ring to re-form.
+        heartbeat_s: Silence after which a rank counts as lost (0: off).
+        collective_timeout: What one collective may wait for its peers (``hvdrun
+            --timeout``; None: the ranks' own default, ``HVD_SPARK_TIMEOUT``).
+        stop_grace: Between asking the ranks to stop and killing them.
+    """
+
+    start_timeout: float = DEFAULT_START_TIMEOUT_S
+    elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT_S
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    collective_timeout: float | None = None
+    stop_grace: float = DEFAULT_STOP_GRACE_S
+
+    def __post_init__(self) -> None:
+        for name in ("start_timeout", "elastic_timeout"):
+            if not _is_number(getattr(self, name)) or not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
+        if not _is_number(self.heartbeat_s) or self.heartbeat_s < 0:
+            raise ConfigError(f"heartbeat_s must be >= 0 (0: off), got {self.heartbeat_s}")
+        if self.collective_timeout is not None and not (
+                _is_number(self.collective_timeout) and self.collective_timeout > 0):
+            raise ConfigError(
+                f"timeout must be positive seconds, got {self.collective_timeout}")
+        if not _is_number(self.stop_grace) or self.stop_grace < 0:
+            raise ConfigError(f"stop_grace must be >= 0 seconds, got {self.stop_grace}")
+
+    @classmethod
+    def for_run(cls, start_timeout: float | None = None,
+                env: Mapping[str, str] | None = None) -> Timeouts:
+        """The deadlines of ``hvd_spark.run``: the arguments, else the variables.
+
+        ``start_timeout`` defaults to ``HVD_SPARK_START_TIMEOUT``, else 600 s; the
+        heartbeat limit to the run's ``env``, else the driver's, else 10 s.
+
+        Raises:
+            ConfigError: A deadline that is not positive, or not a number.
+        """
+        if start_timeout is None:
+            start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+        return cls(start_timeout=_seconds(start_timeout, "start_timeout"),
+                   heartbeat_s=heartbeat_limit(env or {}))
+
+
+def heartbeat_limit(user_env: Mapping[str, str]) -> float:
+    """The ranks' heartbeat limit: the run's ``env``, else the driver's, else 10 s."""
+    value = user_env.get(_env.HEARTBEAT)
+    if value:
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(
+                f"{_env.HEARTBEAT}={value!r} in env is not a number of seconds") from None
+    return _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What ``hvd_spark.run`` (and ``hvdrun``) was asked for, checked.
+
+    Attributes:
+        num_proc: Number of ranks (None: the cluster's default parallelism, resolved by
+            the launcher with ``with_num_proc``).
+        env: Variables added to every rank's environment (read-only).
+        use_gpu: Show each rank its GPU (None: when Spark schedules GPUs).
+        verbose: 0 quiet, 1 the start and end of the run, 2 also timings.
+        stdout, stderr: Streams receiving the ranks' output (None: the driver's).
+        prefix_output_with_timestamp: Start each forwarded line with the time.
+        progress: Receives the ranks' progress events as ``(rank, event)``.
+        on_output: Also receives every output line as ``(rank, stream, line)``.
+        timeouts: Every deadline of the run.
+    """
+
+    num_proc: int | None = None
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    use_gpu: bool | None = None
+    verbose: int = 1
+    stdout: IO[str] | None = None
+    stderr: IO[str] | None = None
+    prefix_output_with_timestamp: bool = False
+    progress: Callable[[int, dict[str, Any]], None] | None = None
+    on_output: Callable[[int, str, str], None] | None = None
+    timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        env = dict(self.env or {})
+        bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise ConfigError(f"env must map str to str; not so for {bad!r}")
+        # Frozen all the way down: a launcher cannot change what another one reads.
+        object.__setattr__(self, "env", types.MappingProxyType(env))
+        if self.num_proc is not None:
+            _check_num_proc(self.num_proc, "num_proc")
+        if not isinstance(self.verbose, int):
+            raise ConfigError(f"verbose must be 0, 1 or 2, got {self.verbose!r}")
+
+    @classmethod
+    def from_kwargs(cls, *, start_timeout: float | None = None,
+                    env: Mapping[str, str] | None = None, **kwargs: Any) -> RunConfig:
+        """Build from ``hvd_spark.run``'s keyword arguments (``start_timeout`` included).
+
+        Raises:
+            ConfigError: Naming the bad argument.
+        """
+        config = cls(env=dict(env or {}), **kwargs)  # env is checked before it is read
+        return dataclasses.replace(config, timeouts=Timeouts.for_run(start_timeout, config.env))
+
+    def with_num_proc(self, num_proc: int) -> RunConfig:
+        """This configuration with ``num_proc`` resolved (it is checked again)."""
+        return dataclasses.replace(self, num_proc=num_proc)
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticConfig:
+    """Sizes and deadlines of an elastic job.
+
+    Attributes:
+        num_proc: Workers the first generation waits for.
+        min_np: Fewest workers the job may continue with.
+        max_np: Most workers a generation may hold.
+        reset_limit: Most re-formations after the first generation (None: no limit).
+        timeouts: ``start_timeout`` (the first generation waits that long for
+            ``num_proc`` workers, then starts with at least ``min_np``),
+            ``elastic_timeout`` (a broken generation waits that long for its survivors,
+            or for new workers when fewer than ``min_np`` are left), ``heartbeat_s``.
+    """
+
+    num_proc: int
+    min_np: int
+    max_np: int
+    reset_limit: int | None = None
+    timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        for name in ("num_proc", "min_np", "max_np"):
+            _check_num_proc(getattr(self, name), name)
+        if not self.min_np <= self.num_proc <= self.max_np:
+            raise ConfigError(
+                f"need min_np <= num_proc <= max_np, got min_np={self.min_np}, "
+                f"num_proc={self.num_proc}, max_np={self.max_np}")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise ConfigError(f"reset_limit must be >= 0 or None, got {self.reset_limit}")
+
+    @classmethod
+    def of(cls, num_proc: int, min_np: int, max_np: int,
+           start_timeout: float = DEFAULT_START_TIMEOUT_S,
+           elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT_S, reset_limit: int | None = None,
+           heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> ElasticConfig:
+        """Build from the flat keyword arguments (Horovod's names for the deadlines).
+
+        Raises:
+            ConfigError: Naming the bad argument (sizes first).
+        """
+        sizes = cls(num_proc, min_np, max_np, reset_limit)
+        timeouts = Timeouts(start_timeout=start_timeout, elastic_timeout=elastic_timeout,
+                            heartbeat_s=heartbeat_s)
+        return dataclasses.replace(sizes, timeouts=timeouts)
+
+    @property
+    def start_timeout(self) -> float:
+        """Seconds the first generation waits for ``num_proc`` workers."""
+        return self.timeouts.start_timeout
+
+    @property
+    def elastic_timeout(self) -> float:
+        """Seconds a broken generation waits to re-form."""
+        return self.timeouts.elastic_timeout
+
+    @property
+    def heartbeat_s(self) -> float:
+        """Seconds of silence after which a worker is declared lost (0: off)."""
+        return self.timeouts.heartbeat_s
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real)
+
+
+def _seconds(value: object, name: str) -> float:
+    if not _is_number(value):
+        raise ConfigError(f"{name} must be positive seconds, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _check_num_proc(value: object, name: str) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,61 @@
+"""The runner's configuration objects: checked once, frozen, errors naming the parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hvd_spark.errors import ConfigError
+from hvd_spark.runner.run_config import ElasticConfig, RunConfig, Timeouts
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(env={"A": 1}), "env must map str to str; not so for"),
+    (dict(num_proc=0), "num_proc must be a positive integer, got 0"),
+    (dict(num_proc="2"), "num_proc must be a positive integer"),
+    (dict(start_timeout=0), "start_timeout must be positive seconds, got 0"),
+    (dict(start_timeout="soon"), "start_timeout must be positive seconds"),
+    (dict(env={"HVD_SPARK_HEARTBEAT_S": "often"}), "HVD_SPARK_HEARTBEAT_S='often' in env"),
+])
+def test_bad_run_arguments_are_refused_naming_the_parameter(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.from_kwargs(**kwargs)
+
+
+def test_defaults_come_from_the_arguments_then_the_environment(monkeypatch):
+    monkeypatch.setenv("HVD_SPARK_START_TIMEOUT", "42")
+    monkeypatch.setenv("HVD_SPARK_HEARTBEAT_S", "7")
+    config = RunConfig.from_kwargs(env={"HVD_SPARK_HEARTBEAT_S": "3"})
+    assert config.timeouts.start_timeout == 42.0
+    assert config.timeouts.heartbeat_s == 3.0  # the run's env wins over the driver's
+    assert RunConfig.from_kwargs(start_timeout=5).timeouts.start_timeout == 5.0
+
+
+def test_a_config_is_frozen_all_the_way_down():
+    config = RunConfig.from_kwargs(env={"A": "1"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_proc = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.env["A"] = "2"  # type: ignore[index]
+    assert config.with_num_proc(4).num_proc == 4 and config.num_proc is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(heartbeat_s=-1), "heartbeat_s must be >= 0"),
+    (dict(elastic_timeout=0), "elastic_timeout must be positive seconds"),
+    (dict(collective_timeout=-3), "timeout must be positive seconds"),
+    (dict(stop_grace=-1), "stop_grace must be >= 0 seconds"),
+])
+def test_bad_deadlines_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Timeouts(**kwargs)
+
+
+def test_elastic_config_reads_its_deadlines_from_its_timeouts():
+    config = ElasticConfig.of(num_proc=2, min_np=1, max_np=3, start_timeout=9,
+                              elastic_timeout=8, heartbeat_s=0)
+    assert (config.start_timeout, config.elastic_timeout, config.heartbeat_s) == (9, 8, 0)
+    assert config.timeouts == Timeouts(start_timeout=9, elastic_timeout=8, heartbeat_s=0)
+    with pytest.raises(ConfigError, match="min_np <= num_proc <= max_np"):
+        ElasticConfig.of(num_proc=4, min_np=1, max_np=3)
