@@ -17,7 +17,7 @@ __all__ = ["SparkBackend", "__version__", "get_available_devices", "run", "run_e
 
 def __getattr__(name: str) -> Any:
     if name == "run_local":
-        from hvd_spark.runner.local_launcher import run_local
+        from hvd_spark.runner.local.local_launcher import run_local
 
         return run_local
     if name == "run":
@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return run
     if name == "run_elastic":
-        from hvd_spark.runner.elastic_spark import run_elastic
+        from hvd_spark.runner.elastic.elastic_spark import run_elastic
 
         return run_elastic
     if name == "SparkBackend":

@@ -9,7 +9,6 @@ busbw = 2(N-1)/N x bytes / time, so it is comparable across N.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -18,19 +17,17 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
-DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """'64M' -> 67108864."""
-    text = text.strip().upper().rstrip("B")
-    unit = _UNITS.get(text[-1:], 1)
-    return int(float(text[:-1] if unit > 1 else text) * unit)
+from hvd_spark.bench.timing import (
+    DEFAULT_SIZES,
+    busbw,
+    human_size,
+    iterations,
+    parse_size,
+    time_loop,
+)
 
 
 def resnet50_shapes() -> list[tuple[int, ...]]:
@@ -46,24 +43,6 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
                 shapes += [(4 * width, channels, 1, 1), (4 * width,), (4 * width,)]
             channels = 4 * width
     return shapes + [(1000, 2048), (1000,)]
-
-
-def _iters(nbytes: int, budget_bytes: float) -> int:
-    return int(min(200, max(5, budget_bytes // max(nbytes, 1))))
-
-
-def _time_loop(fn, iters: int, barrier, reduce_max) -> float:
-    """Seconds per call of ``fn``, the slowest rank's, after warm-up."""
-    for _ in range(2):
-        fn()
-    # A full collection now, not inside the timing: once torch is imported one takes
-    # about 90 ms here, and where it fell decided a 1 MB figure (a 2-3x swing).
-    gc.collect()
-    barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return reduce_max((time.perf_counter() - start) / iters)
 
 
 def _gloo_setup(hvd):
@@ -100,15 +79,15 @@ def rank_main(opts: dict) -> dict | None:
     for nbytes in opts["sizes"]:
         count = nbytes // 4
         arr = np.zeros(count, np.float32)  # zeros: repeated sums never overflow
-        iters = _iters(nbytes, opts["budget"])
+        iters = iterations(nbytes, opts["budget"])
         row = {"bytes": count * 4, "count": count, "iters": iters}
-        row["hvd"] = _time_loop(
+        row["hvd"] = time_loop(
             lambda arr=arr: hvd.allreduce_(arr, name="bench.a", op=hvd.Sum),
             iters, hvd.barrier, reduce_max)
         if gloo is not None:
             torch, dist = gloo
             tensor = torch.zeros(count, dtype=torch.float32)
-            row["gloo"] = _time_loop(
+            row["gloo"] = time_loop(
                 lambda t=tensor, d=dist: d.all_reduce(t), iters, dist.barrier, reduce_max)
         rows.append(row)
     resnet = _resnet_case(hvd, gloo, reduce_max) if opts["resnet"] else None
@@ -145,7 +124,7 @@ def _resnet_case(hvd, gloo, reduce_max) -> dict:
     blocks: dict[str, list[float]] = {key: [] for key in paths}
     for _ in range(5):
         for key, path in paths.items():
-            blocks[key].append(_time_loop(path, 3, hvd.barrier, reduce_max))
+            blocks[key].append(time_loop(path, 3, hvd.barrier, reduce_max))
     out.update({k: statistics.median(v) for k, v in blocks.items()})
     if gloo is not None:
         torch, dist = gloo
@@ -156,8 +135,8 @@ def _resnet_case(hvd, gloo, reduce_max) -> dict:
             for t in tgrads:
                 dist.all_reduce(t)
 
-        out["gloo_each"] = _time_loop(one_by_one, 3, dist.barrier, reduce_max)
-        out["gloo_flat"] = _time_loop(lambda: dist.all_reduce(tflat), 5, dist.barrier, reduce_max)
+        out["gloo_each"] = time_loop(one_by_one, 3, dist.barrier, reduce_max)
+        out["gloo_flat"] = time_loop(lambda: dist.all_reduce(tflat), 5, dist.barrier, reduce_max)
     return out
 
 
@@ -169,8 +148,8 @@ def mpi_worker(opts: dict) -> None:
     rows = []
     for nbytes in opts["sizes"]:
         arr = np.zeros(nbytes // 4, np.float32)
-        iters = _iters(nbytes, opts["budget"])
-        seconds = _time_loop(
+        iters = iterations(nbytes, opts["budget"])
+        seconds = time_loop(
             lambda arr=arr: comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM), iters, comm.Barrier,
             lambda s: comm.allreduce(s, op=MPI.MAX))
         rows.append({"bytes": arr.nbytes, "mpi": seconds})
@@ -202,10 +181,6 @@ def run_mpi(num_proc: int, argv: list[str]) -> tuple[list[dict], str]:
     return [], f"MPI: mpirun failed: {proc.stderr.strip()[-300:]}"
 
 
-def _busbw(nbytes: int, seconds: float, n: int) -> float:
-    return 2 * (n - 1) / n * nbytes / seconds / 1e9 if n > 1 else nbytes / seconds / 1e9
-
-
 def _torch_grouped(shapes):
     """``hvd_spark.torch.grouped_allreduce_`` of CPU tensors (None without torch)."""
     try:
@@ -227,12 +202,13 @@ def format_table(result: dict, mpi_rows: list[dict], mpi_desc: str) -> str:
     lines = [f"hvd_spark allreduce: {n} ranks, float32 Sum in place, GB/s; {mpi_desc}", head]
     for row in result["rows"]:
         b, t = row["bytes"], row["hvd"]
-        bus = _busbw(b, t, n)
+        bus = busbw(b, t, n)
         gloo = row.get("gloo")
-        gbus = _busbw(b, gloo, n) if gloo else math.nan
-        mbus = _busbw(b, mpi[b], n) if b in mpi else math.nan
+        gbus = busbw(b, gloo, n) if gloo else math.nan
+        mbus = busbw(b, mpi[b], n) if b in mpi else math.nan
         lines.append(
-            f"{_human(b):>8} {row['count']:>10} {t * 1e6:>10.1f} {b / t / 1e9:>7.2f} {bus:>7.2f} |"
+            f"{human_size(b):>8} {row['count']:>10} {t * 1e6:>10.1f} {b / t / 1e9:>7.2f}"
+            f" {bus:>7.2f} |"
             f" {gbus:>10.2f} {bus / gbus:>7.2f} | {mbus:>9.2f} {bus / mbus:>6.2f}")
     res = result.get("resnet")
     if res:
@@ -254,13 +230,6 @@ def format_table(result: dict, mpi_rows: list[dict], mpi_desc: str) -> str:
             lines.append(f"  one call per tensor / flat (ours): "
                          f"{res['hvd_each'] / res['hvd_flat']:.2f}x")
     return "\n".join(lines)
-
-
-def _human(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -296,7 +265,7 @@ def main(argv: list[str]) -> int:
         from hvd_spark.bench import multihost_allreduce
 
         if args.sizes == DEFAULT_SIZES:
-            args.sizes = multihost_allreduce.DEFAULT_SIZES
+            args.sizes = multihost_allreduce.HOSTS_SIZES
         return multihost_allreduce.run(args)
     opts = {"sizes": [parse_size(s) for s in args.sizes.split(",")],
             "peers": args.peers.split(","), "budget": args.budget_mb * 1e6,

@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-from hvd_spark.bench.allreduce import parse_size, resnet50_shapes
+from hvd_spark.bench.allreduce import resnet50_shapes
+from hvd_spark.bench.timing import parse_size
 
 # Safety bound on the tuning phase (the tuner's own bound comes first).
 _MAX_TUNING_STEPS = 5000
@@ -45,7 +46,7 @@ def rank_main(opts: dict) -> dict:
         if results[0].reshape(-1)[0] != expect:
             raise AssertionError("wrong allreduce result")
 
-    engine = api._engine
+    engine = api.current_engine()
     tuning_steps, start = 0, time.perf_counter()
     if opts["autotune"]:
         done = False

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from hvd_spark.bench.allreduce import _busbw, _human, _iters
+from hvd_spark.bench.timing import DEFAULT_SIZES, busbw, human_size, iterations, parse_size
 
 
 def _torch_dist(hvd, backend: str):
@@ -83,13 +83,13 @@ def rank_main(opts: dict) -> dict | None:
         def torch_dist(t=t):
             dist.all_reduce(t)
 
-        iters = _iters(nbytes, opts["budget"])
+        iters = iterations(nbytes, opts["budget"])
         row = {"bytes": count * 4, "iters": iters}
         for _ in range(2):  # alternate: a noisy moment hits every peer alike
             for key, fn in (("device", device_path), ("staged", staged), ("torch", torch_dist)):
                 row[key] = min(row.get(key, float("inf")), timed(fn, iters))
         rows.append(row)
-    mode = api._engine.comm.plan.mode if api._engine.comm.plan else "none"
+    mode = api.current_engine().comm.plan.mode if api.current_engine().comm.plan else "none"
     dist.destroy_process_group()
     hvd.shutdown()
     torch_name = "torch gloo" if shared else "torch nccl"
@@ -106,8 +106,8 @@ def format_table(result: dict) -> str:
              f"{'peer GB/s':>9} {'x peer':>6}"]
     for row in result["rows"]:
         b = row["bytes"]
-        dev, stg, peer = (_busbw(b, row[k], n) for k in ("device", "staged", "torch"))
-        lines.append(f"{_human(b):>8} {dev:11.2f} {stg:11.2f} {dev / stg:8.2f} {peer:9.2f} "
+        dev, stg, peer = (busbw(b, row[k], n) for k in ("device", "staged", "torch"))
+        lines.append(f"{human_size(b):>8} {dev:11.2f} {stg:11.2f} {dev / stg:8.2f} {peer:9.2f} "
                      f"{dev / peer:6.2f}")
     return "\n".join(lines)
 
@@ -116,7 +116,6 @@ def run(args) -> int:
     """``allreduce --device cuda``: launch the ranks (or run inside hvdrun), print the table."""
     import os
 
-    from hvd_spark.bench.allreduce import DEFAULT_SIZES, parse_size
     from hvd_spark.collectives.nccl import library
 
     if library.device_count() == 0:

@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
-from hvd_spark.runner.elastic_driver import ElasticSettings
-from hvd_spark.runner.elastic_local import ElasticLocalJob, run_elastic_local
+from hvd_spark.runner.elastic.elastic_driver import ElasticSettings
+from hvd_spark.runner.elastic.elastic_local import ElasticLocalJob, run_elastic_local
 
 _LOOP = r"""
 import os, sys, time

@@ -152,7 +152,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _run_mode(mode: str, args: argparse.Namespace, models: list[str]) -> dict:
-    from hvd_spark.runner.local_launcher import run_local
+    from hvd_spark.runner.local.local_launcher import run_local
 
     num_proc = 1 if mode == "single" else args.np
     threads = args.threads * args.np if mode == "single" else args.threads

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from hvd_spark.bench.allreduce import parse_size
+from hvd_spark.bench.timing import parse_size
 
 _MARK = "LATENCY_JSON "
 # Timed besides numpy in place: numpy out of place (``allreduce(x)``: a fresh output per

@@ -1,10 +1,11 @@
 """``python -m hvd_spark.bench allreduce --hosts H --ranks-per-host R [--bandwidth 1gbit]``.
 
-Builds H namespace hosts (``netns_hosts``) with shaped links, starts R ranks on each
+Builds H namespace hosts (``netns_cluster.hosts``) with shaped links, starts R ranks on each
 (the launcher's rendezvous store on the bridge, every rank in its host's namespaces),
 and times all-reduce of each size three ways on the same hosts and links: hvd_spark
 hierarchical, hvd_spark flat ring, and torch Gloo (in the flat run's processes, in
-alternation). Needs root (see ``netns_hosts.problem``).
+alternation). Needs root (see ``netns_cluster.hosts.problem``) and a source checkout:
+the namespace harness is test support, not part of the wheel.
 
 busbw = 2(N-1)/N x bytes / time (comparable across N). For H hosts the network-bound
 limit of algbw (bytes / time) is the link rate x H / (2(H-1)): the link rate for 2 hosts.
@@ -17,16 +18,37 @@ import io
 import json
 import socket
 import sys
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hvd_spark.bench.allreduce import _busbw, _human, _iters, _time_loop, parse_size
-from hvd_spark.bench.netns_hosts import LinkShape, NetnsHosts, rate_bits
+from hvd_spark.bench.timing import busbw, human_size, iterations, parse_size, time_loop
 from hvd_spark.errors import ConfigError, WorkerFailedError
 
+if TYPE_CHECKING:
+    from netns_cluster.hosts import LinkShape, NetnsHosts
+
 _RESULT = "BENCHRESULT "
-DEFAULT_SIZES = "1M,64M"
+#: Sizes of the ``--hosts`` form when ``--sizes`` is left at the host default.
+HOSTS_SIZES = "1M,64M"
+
+
+def namespace_hosts() -> ModuleType:
+    """``netns_cluster.hosts``, the namespace-host harness of a source checkout.
+
+    Raises:
+        ConfigError: It is not importable (an installed wheel does not ship it).
+    """
+    try:
+        from netns_cluster import hosts
+    except ImportError:
+        raise ConfigError(
+            "the several-host benchmarks (allreduce --hosts, scaling) build their hosts with "
+            "the namespace harness netns_cluster, which is test support in a source checkout "
+            "of hvd_spark and not part of the installed package: run them from the "
+            "repository's root (git clone, then python -m hvd_spark.bench ...)") from None
+    return hosts
 
 
 def _gloo(hvd, address: str) -> Any:
@@ -60,35 +82,35 @@ def rank_main(opts: dict) -> None:
     rows = []
     for nbytes in opts["sizes"]:
         arr = np.zeros(nbytes // 4, np.float32)
-        iters = _iters(nbytes, opts["budget"])
+        iters = iterations(nbytes, opts["budget"])
         row = {"bytes": arr.nbytes, "iters": iters}
         for _ in range(opts["rounds"]):  # alternate, so drift in the machine hits both
-            row.setdefault("hvd", []).append(_time_loop(
+            row.setdefault("hvd", []).append(time_loop(
                 lambda a=arr: hvd.allreduce_(a, name="bench.a", op=hvd.Sum), iters,
                 hvd.barrier, reduce_max))
             if gloo is not None:
                 torch, dist = gloo
                 tensor = torch.zeros(arr.size, dtype=torch.float32)
-                row.setdefault("gloo", []).append(_time_loop(
+                row.setdefault("gloo", []).append(time_loop(
                     lambda t=tensor, d=dist: d.all_reduce(t), iters, dist.barrier, reduce_max))
         rows.append({k: min(v) if isinstance(v, list) else v for k, v in row.items()})
-    kind = type(api._engine.comm).__name__
+    kind = type(api.current_engine().comm).__name__
     if gloo is not None:
         gloo[1].destroy_process_group()
     if hvd.rank() == 0:
         print(_RESULT + json.dumps({"size": hvd.size(), "comm": kind, "rows": rows}), flush=True)
 
 
-def _launch(net: NetnsHosts, ranks_per_host: int, env: dict[str, str], opts: dict) -> dict:
-    """Run ``rank_main`` on every host's ranks; rank 0's result."""
-    from hvd_spark.runner.hosts import HostSlots, place_ranks
-    from hvd_spark.runner.ssh_launcher import SshJob
+def launch(net: NetnsHosts, ranks_per_host: int, env: dict[str, str], opts: dict) -> dict:
+    """Run ``rank_main`` on every host's ranks (``env`` added to theirs); rank 0's result."""
+    from hvd_spark.runner.local.hosts import HostSlots, place_ranks
+    from hvd_spark.runner.local.ssh_launcher import SshJob
 
     class NamespaceJob(SshJob):
         def command_for(self, info, command):
             host = net.addrs.index(info.host)
             return net.joined_argv(host, [sys.executable, "-m",
-                                          "hvd_spark.runner.remote_rank", *command])
+                                          "hvd_spark.runner.local.remote_rank", *command])
 
     placement = place_ranks([HostSlots(a, ranks_per_host) for a in net.addrs],
                             net.count * ranks_per_host)
@@ -109,13 +131,14 @@ def measure(hosts: int, ranks_per_host: int, shape: LinkShape, sizes: list[int],
             budget: float, rounds: int = 2) -> dict:
     """Hierarchical and flat runs (Gloo with the flat one) on one set of hosts."""
     opts = {"sizes": sizes, "budget": budget, "rounds": rounds}
-    with NetnsHosts(hosts, shape) as net:
-        hier = _launch(net, ranks_per_host, {"HVD_SPARK_HIERARCHICAL_ALLREDUCE": "1"},
+    harness = namespace_hosts()
+    with harness.NetnsHosts(hosts, shape) as net:
+        hier = launch(net, ranks_per_host, {"HVD_SPARK_HIERARCHICAL_ALLREDUCE": "1"},
                        {**opts, "gloo": False})
-        flat = _launch(net, ranks_per_host, {"HVD_SPARK_HIERARCHICAL_ALLREDUCE": "0"},
+        flat = launch(net, ranks_per_host, {"HVD_SPARK_HIERARCHICAL_ALLREDUCE": "0"},
                        {**opts, "gloo": True})
     return {"hosts": hosts, "ranks_per_host": ranks_per_host, "shape": shape.describe(),
-            "link_bits": rate_bits(shape.bandwidth) if shape.bandwidth else None,
+            "link_bits": harness.rate_bits(shape.bandwidth) if shape.bandwidth else None,
             "hier": hier, "flat": flat}
 
 
@@ -137,8 +160,8 @@ def format_table(result: dict) -> str:
         b = row["bytes"]
         h, f = row["hvd"], flat_rows[b]["hvd"]
         g = flat_rows[b].get("gloo", float("nan"))
-        line = (f"{_human(b):>6} | {h * 1e3:8.1f} {_busbw(b, h, n):6.3f} {b / h / 1e9:6.3f} | "
-                f"{f * 1e3:8.1f} {_busbw(b, f, n):6.3f} | {g * 1e3:8.1f} {_busbw(b, g, n):6.3f} | "
+        line = (f"{human_size(b):>6} | {h * 1e3:8.1f} {busbw(b, h, n):6.3f} {b / h / 1e9:6.3f} | "
+                f"{f * 1e3:8.1f} {busbw(b, f, n):6.3f} | {g * 1e3:8.1f} {busbw(b, g, n):6.3f} | "
                 f"{g / h:6.2f} {f / h:6.2f}")
         if limit:
             line += f" {b / h / 1e9 / limit * 100:5.0f}%"
@@ -150,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
     """The ``--hosts`` form of ``python -m hvd_spark.bench allreduce``."""
     if args.hosts < 2 or args.ranks_per_host < 1:
         raise ConfigError("--hosts must be at least 2 and --ranks-per-host at least 1")
-    shape = LinkShape(args.bandwidth, args.delay)
-    sizes = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES).split(",")]
+    shape = namespace_hosts().LinkShape(args.bandwidth, args.delay)
+    sizes = [parse_size(s) for s in (args.sizes or HOSTS_SIZES).split(",")]
     result = measure(args.hosts, args.ranks_per_host, shape, sizes, args.budget_mb * 1e6)
     print(format_table(result))
     if args.json:

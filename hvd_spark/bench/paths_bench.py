@@ -13,7 +13,7 @@ import argparse
 import statistics
 import sys
 
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.local.local_launcher import run_local
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -35,12 +35,15 @@ def _rank(sizes: list[int], dtypes: list[str], rounds: int, budget: int,
     from hvd_spark.collectives import ops
 
     if kernels == "torch":
-        import hvd_spark.torch  # noqa: F401 - registers torch's half-precision kernels
+        import hvd_spark.torch
+
+        hvd_spark.torch.init()  # lends torch's half-precision kernels
     elif kernels == "tensorflow":
         import tensorflow as tf
 
-        import hvd_spark.tensorflow  # noqa: F401 - registers TensorFlow's (large arrays)
+        import hvd_spark.tensorflow
 
+        hvd_spark.tensorflow.init()  # lends TensorFlow's (large arrays)
         tf.constant(0.0).numpy()  # a TensorFlow job has started the runtime by then
     else:
         ops.register_half_kernels(None)

@@ -1,7 +1,7 @@
 """``python -m hvd_spark.bench scaling``: predicted data-parallel efficiency on many hosts.
 
 An alpha-beta model of the two all-reduce schedules, with alpha (seconds per ring step)
-and beta (the link's bytes per second) measured on namespace hosts (``netns_hosts``):
+and beta (the link's bytes per second) measured on namespace hosts (``netns_cluster.hosts``):
 
 - flat ring of N = H x L ranks: every host's link carries one ring edge each way, so
   T = 2(N-1) alpha + 2(N-1)/N x S / B;
@@ -13,15 +13,20 @@ The model is first checked against the harness itself (2x2 and 3x2 hosts, both
 schedules), then used for ResNet-50- and VGG-16-sized gradient sets on 8-512 hosts:
 efficiency = compute / (compute + exposed communication), between "no overlap" (every
 byte after the backward pass) and "full overlap" (communication hidden up to the compute
-time), next to Horovod's published figures. Needs root.
+time), next to Horovod's published figures. Needs root and a source checkout (the
+namespace harness is test support, not part of the wheel).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import TYPE_CHECKING
 
-from hvd_spark.bench.netns_hosts import LinkShape, NetnsHosts, rate_bits
+from hvd_spark.bench.multihost_allreduce import launch, namespace_hosts
+
+if TYPE_CHECKING:
+    from netns_cluster.hosts import LinkShape, NetnsHosts
 
 RESNET50_BYTES = 25_557_032 * 4
 VGG16_BYTES = 138_357_544 * 4
@@ -54,18 +59,16 @@ def efficiency(compute: float, comm: float) -> tuple[float, float]:
 
 
 def _time(net: NetnsHosts, per_host: int, hierarchical: bool, sizes: list[int]) -> dict:
-    from hvd_spark.bench.multihost_allreduce import _launch
-
     env = {"HVD_SPARK_HIERARCHICAL_ALLREDUCE": "1" if hierarchical else "0"}
     opts = {"sizes": sizes, "budget": 200e6, "rounds": 2, "gloo": False}
-    result = _launch(net, per_host, env, opts)
+    result = launch(net, per_host, env, opts)
     return {row["bytes"]: row["hvd"] for row in result["rows"]}
 
 
 def calibrate(shape: LinkShape) -> LinkModel:
     """alpha and the link's bandwidth from 2 hosts x 1 rank (a 2-rank ring: 2 steps)."""
     small, large = 4096, 64 << 20
-    with NetnsHosts(2, shape) as net:
+    with namespace_hosts().NetnsHosts(2, shape) as net:
         t = _time(net, 1, False, [small, large])
     alpha = t[small] / 2
     return LinkModel(alpha, large / max(1e-9, t[large] - 2 * alpha))
@@ -76,7 +79,7 @@ def validate(model: LinkModel, shape: LinkShape, local_bw: float) -> list[dict]:
     rows = []
     sizes = [16 << 20, 64 << 20]
     for hosts in (2, 3):
-        with NetnsHosts(hosts, shape) as net:
+        with namespace_hosts().NetnsHosts(hosts, shape) as net:
             for hier in (True, False):
                 measured = _time(net, 2, hier, sizes)
                 for nbytes, seconds in measured.items():
@@ -128,7 +131,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     """Calibrate on namespace hosts, validate on 2-3 hosts, project to 8-512 hosts."""
     args = parse_args(argv)
-    shape = LinkShape(args.bandwidth)
+    harness = namespace_hosts()
+    rate_bits = harness.rate_bits
+    shape = harness.LinkShape(args.bandwidth)
     model = calibrate(shape)
     print(f"measured on 2 namespace hosts, links {shape.describe()}: alpha "
           f"{model.alpha * 1e6:.0f} us per ring step, link {model.bandwidth / 1e6:.1f} MB/s "

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.local.local_launcher import run_local
 
 _WORKLOADS = ("torch", "small")
 

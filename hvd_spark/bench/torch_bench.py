@@ -163,7 +163,7 @@ def _params(kind: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print one row per model; returns the exit code."""
-    from hvd_spark.runner.local_launcher import run_local
+    from hvd_spark.runner.local.local_launcher import run_local
 
     cfg = _parse(argv)
     best = run_local(_worker, args=(cfg, _free_port()), num_proc=cfg.np)[0]

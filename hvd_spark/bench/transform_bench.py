@@ -55,7 +55,7 @@ def _spark_predict_batch_udf(df, feature_cols, output_cols, output_shapes, model
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    from hvd_spark.estimator.transform import _predictor
+    from hvd_spark.estimator.transform import cached_predictor
 
     (col,), (out,) = feature_cols, output_cols
     row_shape = list(cloudpickle.loads(model_bytes)["input_shapes"][0][1:])  # torch_predictor's
@@ -63,7 +63,7 @@ def _spark_predict_batch_udf(df, feature_cols, output_cols, output_shapes, model
     value = vector_to_array(F.col(col)) if isinstance(features, VectorUDT) else F.col(col)
 
     def make_predict_fn():
-        predict = _predictor(model_bytes, factory)
+        predict = cached_predictor(model_bytes, factory)
         return lambda x: predict([x.astype("float32")])[0].astype("float64")
 
     udf = predict_batch_udf(make_predict_fn, return_type=T.ArrayType(T.DoubleType()),

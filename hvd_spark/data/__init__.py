@@ -4,6 +4,8 @@
 ``hvd_spark.data`` for the reader never load pyspark; so is ``make_converter`` (petastorm's
 ``make_spark_converter`` for ``run()``, in ``converter``). Horovod's context-manager
 ``prepare_data`` (``horovod.spark.common.util``) is ``hvd_spark.data.dataset_index``'s.
+Batches as tensors come from the framework bindings: ``hvd_spark.torch.data.as_torch``
+and ``hvd_spark.tensorflow.data.as_tf_dataset``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ from hvd_spark.data.store import (
 
 __all__ = [
     "AbstractFilesystemStore", "ColumnSpec", "DatasetSpec", "DBFSLocalStore", "FilesystemStore",
-    "HDFSStore", "LocalStore", "ShardReader", "SplitSpec", "Store", "as_tf_dataset", "as_torch",
-    "Converter", "make_converter", "prepare_data",
+    "HDFSStore", "LocalStore", "ShardReader", "SplitSpec", "Store", "Converter",
+    "make_converter", "prepare_data",
 ]
+
+# Where the names that turn batches into framework tensors went (the data layer imports
+# no framework): their old spelling gets an error that names the new one.
+_MOVED = {"as_torch": "hvd_spark.torch.data", "as_tf_dataset": "hvd_spark.tensorflow.data"}
 
 
 def __getattr__(name: str) -> Any:
@@ -33,10 +39,9 @@ def __getattr__(name: str) -> Any:
         from hvd_spark.data.writer import prepare_data
 
         return prepare_data
-    if name in ("as_torch", "as_tf_dataset"):
-        from hvd_spark.data import adapters
-
-        return getattr(adapters, name)
+    if name in _MOVED:
+        raise AttributeError(f"hvd_spark.data.{name} is now {_MOVED[name]}.{name} "
+                             f"(from {_MOVED[name]} import {name})")
     if name in ("make_converter", "Converter"):
         from hvd_spark.data import converter
 

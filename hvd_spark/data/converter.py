@@ -30,20 +30,19 @@ import os
 import posixpath
 import tempfile
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hvd_spark.data.converter_loaders import (
-    BatchStream,
-    TFDatasetContext,
-    TorchLoader,
-    resolve_shard,
-)
+from hvd_spark.data.converter_loaders import BatchStream, resolve_shard
 from hvd_spark.data.reader import ShardReader
 from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from hvd_spark.tensorflow.data import TFDatasetContext
+    from hvd_spark.torch.data import TorchLoader
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +197,10 @@ class Converter:
             ConfigError: A bad argument. DataError: The cache was deleted, or too few
             rows for one batch per shard.
         """
+        # The one place the data layer reaches a binding (petastorm's API puts the loader
+        # on the converter): declared in pyproject.toml's import contracts.
+        from hvd_spark.torch.data import TorchLoader
+
         return TorchLoader(self._stream(batch_size, num_epochs, shuffle, cur_shard,
                                         shard_count, seed, columns, shuffling_queue_capacity,
                                         workers_count), device)
@@ -221,6 +224,8 @@ class Converter:
         ``x.features`` becomes ``x["features"]``); integer columns are ``tf.int64``,
         floats ``tf.float32`` by default. Arguments as for ``make_torch_dataloader``.
         """
+        from hvd_spark.tensorflow.data import TFDatasetContext  # as for torch, above
+
         return TFDatasetContext(self._stream(batch_size, num_epochs, shuffle, cur_shard,
                                              shard_count, seed, columns,
                                              shuffling_queue_capacity, workers_count))

@@ -2,31 +2,25 @@
 
 ``BatchStream`` is the framework-neutral part: numpy batches of one shard over
 ``num_epochs`` epochs (``None``: forever, as in petastorm), read by a ``ShardReader``
-and cast to the converter's dtypes. ``TorchLoader`` turns them into dicts of torch
-tensors; ``TFDatasetContext`` into a ``tf.data.Dataset`` of dicts.
+and cast to the converter's dtypes. The framework bindings turn them into tensors:
+``hvd_spark.torch.data.TorchLoader`` (dicts of torch tensors) and
+``hvd_spark.tensorflow.data.TFDatasetContext`` (a ``tf.data.Dataset`` of dicts).
 
 Equal steps per rank: every shard reads ``(rows // shard_count) // batch_size`` batches
 per epoch (the reader's rule), whatever its share of rows, so ranks that run a
 collective per batch never wait for one that has run out; the remainder (fewer than
 ``shard_count x (batch_size + 1)`` rows) is dropped, different rows each epoch when
 shuffling.
-
-torch and TensorFlow are imported with ``importlib`` inside the functions, as in
-``hvd_spark.data.adapters``: importing this module loads no framework, and the layer
-contracts in pyproject.toml (which see every ``import`` statement) stay true.
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
 from hvd_spark import _env
-from hvd_spark.data.adapters import as_torch
 from hvd_spark.data.prefetch import Prefetcher
 from hvd_spark.data.reader import ShardReader
 from hvd_spark.data.shuffle import Batch
@@ -137,75 +131,3 @@ class BatchStream:
             opened, self._open = list(self._open), set()
         for batches in opened:
             batches.close()
-
-
-class TorchLoader:
-    """Batches as dicts ``column -> torch.Tensor``: a context manager and an iterable.
-
-    Integer columns are ``torch.int64``, floating-point ones the converter's dtype
-    (``torch.float32`` by default); arrays have shape ``(batch_size, *shape)``.
-    """
-
-    def __init__(self, stream: BatchStream, device: Any = None) -> None:
-        importlib.import_module("torch")  # fail here, not at the first batch, without torch
-        self._stream = stream
-        self._device = device
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Batches per epoch, the same on every rank."""
-        return self._stream.steps_per_epoch
-
-    def __len__(self) -> int:
-        return len(self._stream)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return as_torch(self._stream, self._device)
-
-    def __enter__(self) -> TorchLoader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the reading threads."""
-        self._stream.close()
-
-
-class TFDatasetContext:
-    """Context manager of a ``tf.data.Dataset`` of dicts ``column -> tf.Tensor``.
-
-    The dataset's elements have a static shape ``(batch_size, *shape)`` and a known
-    cardinality (``steps_per_epoch x num_epochs``, or infinite for ``num_epochs=None``),
-    so Keras' ``fit`` needs ``steps_per_epoch`` only for an infinite one.
-    """
-
-    def __init__(self, stream: BatchStream) -> None:
-        tf = importlib.import_module("tensorflow")
-        self._stream = stream
-        reader = stream.reader
-        signature = {
-            name: tf.TensorSpec((reader.batch_size, *shape), tf.as_dtype(stream.dtypes[name]))
-            for name, (shape, _) in reader.column_info().items()
-        }
-        dataset = tf.data.Dataset.from_generator(lambda: iter(stream),
-                                                 output_signature=signature)
-        steps = (tf.data.INFINITE_CARDINALITY if stream.num_epochs is None
-                 else len(stream))
-        self.dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps))
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Batches per epoch, the same on every rank."""
-        return self._stream.steps_per_epoch
-
-    def __enter__(self) -> Any:
-        return self.dataset
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the reading threads; the dataset yields nothing more."""
-        self._stream.close()

@@ -354,12 +354,14 @@ class HDFSStore(Store):
 
     Args:
         prefix_path: ``hdfs://namenode:8020/path``, ``hdfs:///path`` or ``/path``.
-        host, port: Namenode; default: from the URL, else ``fs.defaultFS`` (``"default"``).
+        host: Namenode host; default: from the URL, else ``fs.defaultFS`` (``"default"``).
+        port: Namenode port; default: from the URL.
         user: HDFS user name.
         kerb_ticket: Path of the Kerberos ticket cache.
         driver: Ignored: pyarrow has only ``libhdfs`` (Horovod's default).
         extra_conf: Extra Hadoop configuration, overriding ``hdfs-site.xml``.
-        *args, **kwargs: The other ``Store`` arguments.
+        *args: The other ``Store`` arguments, by position.
+        **kwargs: The other ``Store`` arguments, by name.
 
     The filesystem is created on first use, so constructing the store needs no HDFS.
     """

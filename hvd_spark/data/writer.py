@@ -122,8 +122,8 @@ def prepare_data(
     if duplicates:
         raise ConfigError(f"column(s) {duplicates} given more than once in feature/label/weight")
     val_col = validation if isinstance(validation, str) else None
-    columns = _column_specs(df, wanted, val_col)
-    selected, is_val = _select(df, columns, validation, seed)
+    columns = column_specs(df, wanted, val_col)
+    selected, is_val = select_columns(df, columns, validation, seed)
     stats = _aggregate(selected, columns, is_val, val_col)
     _check_stats(stats, columns, validation, num_proc, batch_size, val_batch_size or batch_size)
     columns = [_with_shape(c, stats, i) for i, c in enumerate(columns)]
@@ -206,7 +206,7 @@ def _check_settings(validation: Any, num_proc: int, batch_size: int,
         )
 
 
-def _column_specs(df: Any, wanted: list[str], val_col: str | None) -> list[ColumnSpec]:
+def column_specs(df: Any, wanted: list[str], val_col: str | None) -> list[ColumnSpec]:
     """Schema-only checks (no Spark job): presence and types of every column."""
     from pyspark.ml.linalg import VectorUDT
 
@@ -240,7 +240,8 @@ def _column_specs(df: Any, wanted: list[str], val_col: str | None) -> list[Colum
     return specs
 
 
-def _select(df: Any, columns: list[ColumnSpec], validation: Any, seed: int) -> tuple[Any, Any]:
+def select_columns(df: Any, columns: list[ColumnSpec], validation: Any,
+                   seed: int) -> tuple[Any, Any]:
     """Return (DataFrame of the stored columns + IS_VAL, the IS_VAL expression)."""
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F

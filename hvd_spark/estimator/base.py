@@ -409,14 +409,14 @@ class HvdModel(Model, KeywordParams, PickledPersistence):
         return (self.value("outputCols")
                 or [f"{c}__output" for c in self.value("label_columns") or []])
 
-    def _predictor_factory(self) -> Callable[[bytes], Callable]:
+    def predictor_factory(self) -> Callable[[bytes], Callable]:
         """Module-level function: model bytes -> ``predict(list of arrays) -> list of arrays``."""
         raise NotImplementedError
 
     def _transform(self, df):
         return transform.predict_columns(
             df, self.value("feature_columns"), self.output_columns(), self.output_shapes,
-            self.model_bytes, self._predictor_factory(), tuning.rows_per_call(self))
+            self.model_bytes, self.predictor_factory(), tuning.rows_per_call(self))
 
     def _init_empty(self) -> None:
         HvdModel.__init__(self)
@@ -447,7 +447,11 @@ _SHIPPED_PARAMS = ("model", "optimizer", "loss", "loss_constructors", "metrics",
 def _check_slots(backend: Backend) -> None:
     """Refuse num_proc above the cluster's task slots before any data is written."""
     if isinstance(backend, SparkBackend):
-        from hvd_spark.runner.spark_launcher import active_session, check_cluster, cluster_context
+        from hvd_spark.runner.spark.spark_launcher import (
+            active_session,
+            check_cluster,
+            cluster_context,
+        )
 
         check_cluster(cluster_context(active_session()), backend.num_processes())
 

@@ -46,7 +46,8 @@ PARAM_SPEC: tuple[str, str, Any, Any] = (
 #: Rows in the sample batch.
 ROWS = 8
 
-_SKIP = "dry_run=False skips this check (e.g. for a model too big for the driver)"
+#: The end of every dry-run error: how to skip the check.
+SKIP_HINT = "dry_run=False skips this check (e.g. for a model too big for the driver)"
 
 
 def check(estimator: Any, df: Any) -> None:
@@ -85,7 +86,7 @@ def transformed(estimator: Any, sample: Sample) -> dict:
         raise ConfigError(
             f"transformation_fn failed on {sample.rows} sample rows on the driver (dry run): "
             f"{type(exc).__name__}: {exc}. It gets a dict of column -> numpy array, rows "
-            f"first; {_SKIP}") from exc
+            f"first; {SKIP_HINT}") from exc
 
 
 def received(sample: Sample, batch: dict, columns: list[str]) -> str:
@@ -183,7 +184,7 @@ def _forward_message(model: Any, inputs: list, sample: Sample, batch: dict,
             f"(reshaped by input_shapes when given: {[tuple(i.shape) for i in inputs]}), "
             f"and has {type(model).__name__}{dtype}{expects}. Check feature_cols (their order "
             f"is the forward arguments' order), input_shapes and the model's first layer; "
-            f"{_SKIP}")
+            f"{SKIP_HINT}")
 
 
 def torch_loss(loss_fn: Any, losses: list, outputs: tuple, labels: list,
@@ -247,7 +248,7 @@ def _loss_message(losses: list, outputs: tuple, labels: list, sample: Sample, ba
         for fn, out, label, col in zip(losses, outputs, labels, label_cols))
     return (f"{head}: {error}. {pairs}. Labels are reshaped to the output's shape when they "
             "hold as many values (label_shapes sets it), and integer labels become float "
-            f"for a float output of the same shape; {_SKIP}")
+            f"for a float output of the same shape; {SKIP_HINT}")
 
 
 def torch_metrics(groups: list, outputs: tuple, labels: list, sample: Sample,
@@ -269,7 +270,7 @@ def torch_metrics(groups: list, outputs: tuple, labels: list, sample: Sample,
                     f"label column {describe(sample, col)} (dry run): "
                     f"{type(exc).__name__}: {exc}. It gets (output, label): output "
                     f"{_dtype_name(out)} {tuple(out.shape)}, label {_dtype_name(label)} "
-                    f"{tuple(label.shape)}, and must return one number; {_SKIP}") from exc
+                    f"{tuple(label.shape)}, and must return one number; {SKIP_HINT}") from exc
 
 
 def check_input_shapes(shapes: list | None, feature_cols: list[str], batch: dict) -> None:
@@ -280,28 +281,32 @@ def check_input_shapes(shapes: list | None, feature_cols: list[str], batch: dict
             batch_shape(shape, f"input_shapes (column {col!r})", values_per_row(batch[col]))
 
 
-def torch_check(estimator: Any, sample: Sample, batch: dict) -> None:
-    """TorchEstimator's dry run: forward, loss and metrics as the training loop has them."""
+def torch_check(estimator: Any, sample: Sample, batch: dict, shapes: list | None,
+                label_shapes: list | None) -> None:
+    """TorchEstimator's dry run: forward, loss and metrics as the training loop has them.
+
+    ``shapes`` and ``label_shapes`` are the Estimator's checked ``input_shapes`` and
+    ``label_shapes`` (batch shapes).
+    """
     import torch
 
     from hvd_spark.estimator import torch_worker as tw
 
     features, label_cols = estimator.value("feature_cols"), estimator.value("label_cols")
-    shapes = estimator._input_shapes()
     check_input_shapes(shapes, features, batch)
     model = torch_model_copy(estimator.value("model"))
-    inputs = tw._inputs(batch, features, shapes, torch)
+    inputs = tw.batch_inputs(batch, features, shapes, torch)
     outputs = torch_forward(model, inputs, sample, batch, features)
     if estimator.value("train_minibatch_fn") is not None:
         return  # the user's step computes the loss its own way
-    labels = [tw._tensor(batch[c], torch) for c in label_cols]
+    labels = [tw.to_tensor(batch[c], torch) for c in label_cols]
     labels = [t.float() if t.is_floating_point() else t for t in labels]
     weight = estimator.value("sample_weight_col")
-    row_weights = tw._tensor(batch[weight], torch).float() if weight else None
-    losses = tw._losses({"loss": estimator.value("loss"),
-                         "loss_constructors": estimator.value("loss_constructors")})
+    row_weights = tw.to_tensor(batch[weight], torch).float() if weight else None
+    losses = tw.make_losses({"loss": estimator.value("loss"),
+                             "loss_constructors": estimator.value("loss_constructors")})
     weights = estimator.value("loss_weights") or [1.0 / len(label_cols)] * len(label_cols)
-    transform_outputs = tw.make_transform_outputs(estimator._label_shapes())
+    transform_outputs = tw.make_transform_outputs(label_shapes)
     try:
         outs, labels = transform_outputs(outputs, labels)
     except Exception as exc:  # noqa: BLE001 - label_shapes that do not fit the labels
@@ -315,15 +320,17 @@ def torch_check(estimator: Any, sample: Sample, batch: dict) -> None:
                   label_cols)
 
 
-def lightning_check(estimator: Any, sample: Sample, batch: dict) -> None:
+def lightning_check(estimator: Any, sample: Sample, batch: dict, shapes: list | None) -> None:
     """LightningEstimator's dry run: the forward pass only (``training_step`` may need a
-    Trainer; the ranks call the forward pass on the features for the output shapes)."""
+    Trainer; the ranks call the forward pass on the features for the output shapes).
+
+    ``shapes`` are the Estimator's checked ``input_shapes`` (batch shapes).
+    """
     import torch
 
     from hvd_spark.estimator import torch_worker as tw
 
     features = estimator.value("feature_cols")
-    shapes = estimator._input_shapes()
     check_input_shapes(shapes, features, batch)
     model = torch_model_copy(estimator.value("model"))
-    torch_forward(model, tw._inputs(batch, features, shapes, torch), sample, batch, features)
+    torch_forward(model, tw.batch_inputs(batch, features, shapes, torch), sample, batch, features)

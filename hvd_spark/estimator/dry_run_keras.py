@@ -16,14 +16,18 @@ import numpy as np
 
 from hvd_spark.data.sample import Sample, describe
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator.dry_run import _SKIP, received, values_per_row
+from hvd_spark.estimator.dry_run import SKIP_HINT, received, values_per_row
 
 log = logging.getLogger("hvd_spark.estimator")
 
 
-def keras_check(estimator: Any, sample: Sample, batch: dict) -> None:
-    """The Keras dry run; ConfigError naming the column, the model's input and the fix."""
-    from hvd_spark.estimator.keras_worker import _xy, row_shapes
+def keras_check(estimator: Any, sample: Sample, batch: dict,
+                label_shapes: list | None) -> None:
+    """The Keras dry run; ConfigError naming the column, the model's input and the fix.
+
+    ``label_shapes`` are the Estimator's checked ``label_shapes`` (batch shapes).
+    """
+    from hvd_spark.estimator.keras_worker import batch_xy, row_shapes
 
     model = estimator.value("model")
     inputs = getattr(model, "inputs", None) if getattr(model, "built", False) else None
@@ -40,12 +44,11 @@ def keras_check(estimator: Any, sample: Sample, batch: dict) -> None:
                 f"{tensor.name!r} has shape {dims} ({math.prod(dims)} values); the column is "
                 f"{sample.types.get(col, '?')}: select the feature column(s) the model was "
                 f"built for, or build its input as keras.Input({(size,)}) (dry run)")
-    label_shapes = estimator._label_shapes()
     out_shapes = ([tuple(s[1:]) for s in label_shapes] if label_shapes
                   else row_shapes(model.outputs))
     ds = types.SimpleNamespace(feature_cols=features, label_cols=labels,
                                sample_weight_col=estimator.value("sample_weight_col"))
-    x, y, *weights = _xy(batch, ds, row_shapes(inputs), out_shapes)
+    x, y, *weights = batch_xy(batch, ds, row_shapes(inputs), out_shapes)
     try:
         out = model(x, training=False)
     except Exception as exc:  # noqa: BLE001 - any failure here is a mismatch to explain
@@ -53,7 +56,7 @@ def keras_check(estimator: Any, sample: Sample, batch: dict) -> None:
             f"the model failed on {sample.rows} sample rows on the driver (dry run): "
             f"{type(exc).__name__}: {exc}. It received "
             f"{received(sample, batch, features)}; its inputs: "
-            f"{[(t.name, tuple(t.shape[1:]), str(t.dtype)) for t in inputs]}; {_SKIP}") \
+            f"{[(t.name, tuple(t.shape[1:]), str(t.dtype)) for t in inputs]}; {SKIP_HINT}") \
             from exc
     outputs = list(out) if isinstance(out, (list, tuple)) else [out]
     ys = list(y) if isinstance(y, tuple) else [y]
@@ -121,4 +124,4 @@ def _loss_message(identifier: Any, y_true: Any, y_pred: Any, sample: Sample, col
             f"{np.asarray(y_true).dtype} {tuple(np.shape(y_true))} vs model output "
             f"{getattr(y_pred.dtype, 'name', y_pred.dtype)} {tuple(y_pred.shape)}. Labels "
             f"are reshaped to label_shapes (default: the output's shape) when they hold as "
-            f"many values; {_SKIP}")
+            f"many values; {SKIP_HINT}")

@@ -52,7 +52,7 @@ class KerasModel(HvdModel):
         self.optimizer_config: Any = None
         self._keras_model: Any = None
 
-    def _predictor_factory(self):
+    def predictor_factory(self):
         return keras_predictor
 
     def _set_extra(self, result: dict) -> None:
@@ -205,7 +205,7 @@ class KerasEstimator(HvdEstimator):
     def _dry_run(self, sample, batch) -> None:
         from hvd_spark.estimator.dry_run_keras import keras_check
 
-        keras_check(self, sample, batch)
+        keras_check(self, sample, batch, self._label_shapes())
 
     def _worker(self):
         return train_keras

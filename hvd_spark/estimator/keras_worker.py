@@ -95,7 +95,7 @@ def model_arrays(arrays: list[Any], shapes: list) -> np.ndarray | tuple[np.ndarr
     return out[0] if len(out) == 1 else out
 
 
-def _xy(batch: dict, ds: Any, in_shapes: list, out_shapes: list) -> tuple:
+def batch_xy(batch: dict, ds: Any, in_shapes: list, out_shapes: list) -> tuple:
     """A reader batch -> ``(x, y)`` or ``(x, y, sample_weight)`` for ``model.fit``.
 
     Args:
@@ -215,7 +215,7 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
                   else row_shapes(model.outputs))
 
     def to_xy(batch):
-        return _xy(batch, ds, in_shapes, out_shapes)
+        return batch_xy(batch, ds, in_shapes, out_shapes)
 
     rates = KerasRates(payload["optimizer"],
                        hvd.size() if spec.extra.get(lr_rule.PARAM) else 1)

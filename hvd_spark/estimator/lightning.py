@@ -74,7 +74,7 @@ class LightningModel(HvdModel):
         self.logged_metrics: dict[str, float] = {}
         self._module: Any = None
 
-    def _predictor_factory(self):
+    def predictor_factory(self):
         return torch_predictor
 
     def _set_extra(self, result: dict) -> None:
@@ -119,7 +119,7 @@ class LightningModel(HvdModel):
         LightningModel.__init__(self)
 
 
-class LightningEstimator(HvdEstimator):
+class LightningEstimator(torch_adapter.TorchInputShapes, HvdEstimator):
     """Spark ML Estimator training a PyTorch Lightning 2.x ``LightningModule`` on N ranks.
 
     Parameters are Horovod's ``horovod.spark.lightning.TorchEstimator``'s. Each rank runs
@@ -167,9 +167,6 @@ class LightningEstimator(HvdEstimator):
     def _model_class(self):
         return LightningModel
 
-    _input_shapes = torch_adapter.TorchEstimator._input_shapes
-    _check_dataset = torch_adapter.TorchEstimator._check_dataset
-
     def _model_params(self) -> dict:
         return {"input_shapes": self._input_shapes()}
 
@@ -206,7 +203,8 @@ class LightningEstimator(HvdEstimator):
         }
 
     def _dry_run(self, sample, batch) -> None:
-        dry_run.lightning_check(self, sample, batch)  # the forward pass only
+        # The forward pass only.
+        dry_run.lightning_check(self, sample, batch, self._input_shapes())
 
     def _worker(self):
         return train_lightning

@@ -19,7 +19,7 @@ import cloudpickle
 from hvd_spark.estimator import history as hist
 from hvd_spark.estimator.lightning_strategy import strategy_class
 from hvd_spark.estimator.mlflow_ranks import nest_mlflow_logger
-from hvd_spark.estimator.torch_worker import _as_tuple, _inputs, _tensor, training_device
+from hvd_spark.estimator.torch_worker import as_tuple, batch_inputs, to_tensor, training_device
 from hvd_spark.estimator.train_spec import (
     TrainSpec,
     check_loss,
@@ -44,14 +44,15 @@ class TensorBatches:
         ds = self.spec.dataset
         epoch, self.epoch = self.epoch, self.epoch + 1
         for batch in self.source.epoch(epoch):
-            out = dict(zip(ds.feature_cols, _inputs(batch, ds.feature_cols, self.shapes, torch)))
+            inputs = batch_inputs(batch, ds.feature_cols, self.shapes, torch)
+            out = dict(zip(ds.feature_cols, inputs))
             label_shapes = self.spec.label_shapes or [None] * len(ds.label_cols)
             for col, shape in zip(ds.label_cols, label_shapes):
-                t = _tensor(batch[col], torch)
+                t = to_tensor(batch[col], torch)
                 t = t.float() if t.is_floating_point() else t
                 out[col] = t.reshape(shape) if shape else t
             if ds.sample_weight_col:
-                out[ds.sample_weight_col] = _tensor(batch[ds.sample_weight_col], torch).float()
+                out[ds.sample_weight_col] = to_tensor(batch[ds.sample_weight_col], torch).float()
             yield out
 
 
@@ -164,7 +165,7 @@ def train_lightning(spec: TrainSpec, payload: dict) -> dict | None:
     module.eval().cpu()
     sample = next(iter(train_src.epoch(0)))
     with torch.no_grad():
-        outs = _as_tuple(module(*_inputs(sample, spec.dataset.feature_cols, shapes, torch)))
+        outs = as_tuple(module(*batch_inputs(sample, spec.dataset.feature_cols, shapes, torch)))
     return {
         "model": cloudpickle.dumps({"model": module, "input_shapes": shapes}),
         "history": history, "logged_metrics": logged,

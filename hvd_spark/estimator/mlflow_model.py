@@ -1,7 +1,7 @@
 """A fitted Estimator's Model as an MLflow model: the ``python_function`` (pyfunc) flavour.
 
 The Spark ML model's own files (``model.write().save(...)``) travel as the MLflow
-model's artifact; ``HvdPyfuncModel`` loads them back with the model class's ``load``
+model's artifact; ``HvdPyfuncModel`` loads them back as the model class's ``load`` does
 and predicts on a pandas DataFrame with the model's predictor function, the one
 ``transform`` runs in its UDF, so no SparkSession is needed to predict and the
 numbers are ``transform``'s. ``mlflow.pyfunc.spark_udf`` serves it on Spark.
@@ -61,10 +61,10 @@ class HvdPyfuncModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context: Any) -> None:
         """Load the Spark ML model's files and build its predictor (no SparkSession)."""
-        from hvd_spark.estimator.base import HvdModel
+        from hvd_spark.estimator.persistence import load_saved
 
-        self._model = HvdModel.load(context.artifacts[ARTIFACT])
-        self._predict = self._model._predictor_factory()(self._model.model_bytes)
+        self._model = load_saved(context.artifacts[ARTIFACT])
+        self._predict = self._model.predictor_factory()(self._model.model_bytes)
 
     def predict(self, context: Any, model_input: pd.DataFrame,
                 params: dict[str, Any] | None = None) -> pd.DataFrame | np.ndarray:

@@ -68,7 +68,7 @@ class PickledParamValue(Transformer, MLWritable):
     @classmethod
     def load(cls, path: str) -> Any:
         """The value saved at ``path`` (not a PickledParamValue)."""
-        metadata = DefaultParamsReader._parseMetaData(persistence._read_metadata(path))
+        metadata = DefaultParamsReader._parseMetaData(persistence.read_metadata(path))
         folder = posixpath.dirname(path.rstrip("/"))
         params = metadata["paramMap"]
         return _saved(folder, params.get("stages", []))["values"][params["slot"]]
@@ -91,7 +91,7 @@ def _saved(folder: str, uids: list[str]) -> dict:
         cached = _CACHE.get(url)
         if cached is not None and cached[0] == key:
             return cached[1]
-        saved = cloudpickle.loads(persistence._read_file(url))
+        saved = cloudpickle.loads(persistence.read_file(url))
         for uid, stage in stages.items():
             if stage is not None:
                 stage._set(**saved["stages"].get(uid, {}))
@@ -147,7 +147,7 @@ def _wrap(path: str, instance: Any) -> Any:
         culprit = next((n for n, v in zip(names, values) if not _picklable(v)), "a stage's")
         raise ConfigError(f"cannot save the param maps: the {culprit} value cannot be "
                           f"pickled ({type(exc).__name__}: {exc})") from exc
-    persistence._write_file(join_url(path, VALUES_FILE), blob)
+    persistence.write_file(join_url(path, VALUES_FILE), blob)
     proxy = copy.copy(instance)
     proxy._paramMap = {**instance._paramMap, instance.getParam("estimatorParamMaps"): wrapped}
     return proxy

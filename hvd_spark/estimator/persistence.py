@@ -30,20 +30,22 @@ _METADATA_FILE = "part-00000"
 LOADED: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
-def _write_file(url: str, data: bytes) -> None:
+def write_file(url: str, data: bytes) -> None:
+    """Write ``data`` to ``url`` (any filesystem pyarrow knows), making its folder."""
     fs, path = filesystem_from_url(url)
     fs.create_dir(posixpath.dirname(path), recursive=True)
     with fs.open_output_stream(path) as out:
         out.write(data)
 
 
-def _read_file(url: str) -> bytes:
+def read_file(url: str) -> bytes:
+    """The bytes at ``url`` (any filesystem pyarrow knows)."""
     fs, path = filesystem_from_url(url)
     with fs.open_input_stream(path) as src:
         return src.read()
 
 
-def _read_metadata(url: str) -> str:
+def read_metadata(url: str) -> str:
     """The JSON line of ``<url>/metadata`` (ours, or a part file Spark wrote)."""
     fs, path = filesystem_from_url(join_url(url, "metadata"))
     infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
@@ -99,13 +101,13 @@ class PickledWriter(MLWriter):
         self.saveImpl(path)
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark's API name
-        _write_file(join_url(path, "data", "params.pkl"), _pickled_params(self.instance))
+        write_file(join_url(path, "data", "params.pkl"), _pickled_params(self.instance))
         for name, blob in self.instance._persisted_blobs().items():
-            _write_file(join_url(path, "data", name), blob)
+            write_file(join_url(path, "data", name), blob)
         metadata = DefaultParamsWriter._get_metadata_to_save(
             self.instance, self.sparkSession, paramMap=json_params(self.instance))
-        _write_file(join_url(path, "metadata", _METADATA_FILE), (metadata + "\n").encode())
-        _write_file(join_url(path, "metadata", "_SUCCESS"), b"")
+        write_file(join_url(path, "metadata", _METADATA_FILE), (metadata + "\n").encode())
+        write_file(join_url(path, "metadata", "_SUCCESS"), b"")
 
 
 class PickledReader(MLReader):
@@ -116,20 +118,29 @@ class PickledReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> Any:
-        metadata = DefaultParamsReader._parseMetaData(_read_metadata(path))
-        module, _, name = metadata["class"].rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        instance = cls.__new__(cls)
-        instance._init_empty()
-        instance._resetUid(metadata["uid"])
-        DefaultParamsReader.getAndSetParams(instance, metadata)
-        objects = cloudpickle.loads(_read_file(join_url(path, "data", "params.pkl")))
-        instance._set(**objects)
-        blobs = {name: _read_file(join_url(path, "data", name))
-                 for name in instance._blob_names()}
-        instance._restore_blobs(blobs)
-        LOADED[instance.uid] = instance
-        return instance
+        return load_saved(path)
+
+
+def load_saved(path: str) -> Any:
+    """The Estimator or Model saved at ``path``, of the class its metadata names.
+
+    What ``TorchModel.load(path)`` (or any saved class's ``load``) returns, for callers
+    that do not know the class (the MLflow pyfunc wrapper).
+    """
+    metadata = DefaultParamsReader._parseMetaData(read_metadata(path))
+    module, _, name = metadata["class"].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    instance = cls.__new__(cls)
+    instance._init_empty()
+    instance._resetUid(metadata["uid"])
+    DefaultParamsReader.getAndSetParams(instance, metadata)
+    objects = cloudpickle.loads(read_file(join_url(path, "data", "params.pkl")))
+    instance._set(**objects)
+    blobs = {name: read_file(join_url(path, "data", name))
+             for name in instance._blob_names()}
+    instance._restore_blobs(blobs)
+    LOADED[instance.uid] = instance
+    return instance
 
 
 def _pickled_params(instance: Any) -> bytes:

@@ -52,7 +52,7 @@ class TorchModel(HvdModel):
         self.optimizer_bytes = b""
         self._module: Any = None
 
-    def _predictor_factory(self):
+    def predictor_factory(self):
         return torch_predictor
 
     def _set_extra(self, result: dict) -> None:
@@ -131,7 +131,27 @@ class TorchModel(HvdModel):
         TorchModel.__init__(self)
 
 
-class TorchEstimator(HvdEstimator):
+class TorchInputShapes:
+    """The ``input_shapes`` checks TorchEstimator and LightningEstimator share."""
+
+    def _input_shapes(self) -> list[tuple[int, ...]] | None:
+        shapes = self.value("input_shapes")
+        if shapes is None:
+            return None
+        features = self.value("feature_cols") or []
+        if not isinstance(shapes, (list, tuple)) or len(shapes) != len(features):
+            raise ConfigError(f"input_shapes must hold one shape per feature column "
+                              f"({len(features)}), got {shapes!r}")
+        return [batch_shape(s, "input_shapes") for s in shapes]
+
+    def _check_dataset(self, dataset) -> None:
+        shapes = self.value("input_shapes")
+        for col, shape in zip(self.value("feature_cols"), shapes or []):
+            size = math.prod(dataset.column(col).shape)
+            batch_shape(shape, f"input_shapes (column {col!r})", size)
+
+
+class TorchEstimator(TorchInputShapes, HvdEstimator):
     """Spark ML Estimator training a torch model with hvd_spark's DistributedOptimizer.
 
     Parameters are Horovod's ``horovod.spark.torch.TorchEstimator``'s, with its meaning,
@@ -200,16 +220,6 @@ class TorchEstimator(HvdEstimator):
         return {"input_shapes": self._input_shapes(),
                 "loss_constructors": self.value("loss_constructors")}
 
-    def _input_shapes(self) -> list[tuple[int, ...]] | None:
-        shapes = self.value("input_shapes")
-        if shapes is None:
-            return None
-        features = self.value("feature_cols") or []
-        if not isinstance(shapes, (list, tuple)) or len(shapes) != len(features):
-            raise ConfigError(f"input_shapes must hold one shape per feature column "
-                              f"({len(features)}), got {shapes!r}")
-        return [batch_shape(s, "input_shapes") for s in shapes]
-
     def _check_framework(self) -> None:
         import torch
 
@@ -248,12 +258,6 @@ class TorchEstimator(HvdEstimator):
         self._input_shapes()
         learning_rate.check_rate(self.value(learning_rate.RATE))
 
-    def _check_dataset(self, dataset) -> None:
-        shapes = self.value("input_shapes")
-        for col, shape in zip(self.value("feature_cols"), shapes or []):
-            size = math.prod(dataset.column(col).shape)
-            batch_shape(shape, f"input_shapes (column {col!r})", size)
-
     def _payload(self) -> dict:
         return {
             # Pickled together: the optimizer's parameters stay the model's.
@@ -267,7 +271,7 @@ class TorchEstimator(HvdEstimator):
         }
 
     def _dry_run(self, sample, batch) -> None:
-        dry_run.torch_check(self, sample, batch)
+        dry_run.torch_check(self, sample, batch, self._input_shapes(), self._label_shapes())
 
     def _worker(self):
         return train_torch

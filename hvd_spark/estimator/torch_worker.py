@@ -67,7 +67,8 @@ def training_device(use_gpu: bool, local_rank: int, torch: Any) -> Any:
     return torch.device("cuda", index)
 
 
-def _losses(payload: dict) -> list:
+def make_losses(payload: dict) -> list:
+    """The loss functions, one per output: built from ``loss_constructors`` or the ``loss``."""
     if payload["loss_constructors"]:
         return [make() for make in payload["loss_constructors"]]
     loss = payload["loss"]
@@ -84,7 +85,8 @@ def metric_groups(metrics: Any) -> list[list[Callable]]:
     return [list(m) if isinstance(m, (list, tuple)) else [m] for m in metrics]
 
 
-def _tensor(values: np.ndarray, torch: Any, device: Any = None) -> Any:
+def to_tensor(values: np.ndarray, torch: Any, device: Any = None) -> Any:
+    """One column of a batch as a tensor on ``device`` (the CPU when ``None``)."""
     # Shuffled batches are the reader's own (writable) arrays: shared, not copied. Unshuffled
     # ones may be read-only views of Arrow buffers, which torch cannot share: copied.
     # Pinned memory lets the copy to a GPU run asynchronously.
@@ -95,10 +97,11 @@ def _tensor(values: np.ndarray, torch: Any, device: Any = None) -> Any:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _inputs(batch: dict, cols, shapes, torch, device: Any = None) -> list:
+def batch_inputs(batch: dict, cols, shapes, torch, device: Any = None) -> list:
+    """The model's inputs from a batch: the ``cols`` as float tensors, reshaped to ``shapes``."""
     out = []
     for i, col in enumerate(cols):
-        t = _tensor(batch[col], torch, device)
+        t = to_tensor(batch[col], torch, device)
         if t.is_floating_point():
             t = t.float()
         if shapes:
@@ -107,7 +110,8 @@ def _inputs(batch: dict, cols, shapes, torch, device: Any = None) -> list:
     return out
 
 
-def _as_tuple(outputs) -> tuple:
+def as_tuple(outputs) -> tuple:
+    """A model's outputs as a tuple (one output becomes a tuple of one)."""
     return tuple(outputs) if isinstance(outputs, (list, tuple)) else (outputs,)
 
 
@@ -115,7 +119,7 @@ def make_transform_outputs(label_shapes: list | None) -> Callable:
     """Horovod's ``transform_outputs(outputs, labels) -> (outputs, labels)``."""
 
     def transform_outputs(outputs, labels):
-        outputs = list(_as_tuple(outputs))
+        outputs = list(as_tuple(outputs))
         if label_shapes:
             labels = [label.reshape(shape) for label, shape in zip(labels, label_shapes)]
         else:
@@ -198,7 +202,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     # Unpickled together, the optimizer's param groups refer to this copy's parameters.
     model, optimizer = cloudpickle.loads(payload["model_and_optimizer"])
     model.to(device)
-    losses = _losses(payload)
+    losses = make_losses(payload)
     weights = payload["loss_weights"] or [1.0 / len(ds.label_cols)] * len(ds.label_cols)
     loss_fn = make_loss_fn(losses, weights)
     groups = metric_groups(payload["metrics"])
@@ -238,10 +242,10 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     reader, val_reader = make_readers(spec, hvd.rank(), hvd.size())
 
     def prepare(batch):
-        inputs = _inputs(batch, ds.feature_cols, shapes, torch, device)
-        labels = [_tensor(batch[c], torch, device) for c in ds.label_cols]
+        inputs = batch_inputs(batch, ds.feature_cols, shapes, torch, device)
+        labels = [to_tensor(batch[c], torch, device) for c in ds.label_cols]
         labels = [t.float() if t.is_floating_point() else t for t in labels]
-        row_weights = (_tensor(batch[ds.sample_weight_col], torch, device).float()
+        row_weights = (to_tensor(batch[ds.sample_weight_col], torch, device).float()
                        if ds.sample_weight_col else None)
         return inputs, labels, row_weights
 
@@ -331,7 +335,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     _move_optimizer_state(optimizer)
     sample = next(iter(reader.epoch(0)))
     with torch.no_grad():
-        outs = _as_tuple(model(*_inputs(sample, ds.feature_cols, shapes, torch)))
+        outs = as_tuple(model(*batch_inputs(sample, ds.feature_cols, shapes, torch)))
     return {
         "model": cloudpickle.dumps({"model": model, "input_shapes": shapes}),
         "optimizer": optimizer_record(model, optimizer, rates.unscaled_state(), torch),
@@ -349,7 +353,7 @@ def torch_predictor(model_bytes: bytes):
 
     def predict(arrays: list[Any]) -> list:
         with torch.no_grad():
-            inputs = _inputs(dict(enumerate(arrays)), range(len(arrays)), shapes, torch)
-            return [o.numpy() for o in _as_tuple(model(*inputs))]
+            inputs = batch_inputs(dict(enumerate(arrays)), range(len(arrays)), shapes, torch)
+            return [o.numpy() for o in as_tuple(model(*inputs))]
 
     return predict

@@ -26,7 +26,8 @@ import pyarrow as pa
 _MODELS: dict[str, Callable] = {}
 
 
-def _predictor(model_bytes: bytes, factory: Callable[[bytes], Callable]) -> Callable:
+def cached_predictor(model_bytes: bytes, factory: Callable[[bytes], Callable]) -> Callable:
+    """The ``predict`` for ``model_bytes``, built by ``factory`` once per worker process."""
     key = hashlib.sha256(model_bytes).hexdigest()
     if key not in _MODELS:
         _MODELS.clear()  # one model at a time per worker keeps memory bounded
@@ -63,7 +64,7 @@ def predict_columns_pandas(df, feature_cols, output_cols, output_shapes, model_b
     scalar, struct = _output_struct(output_cols, output_shapes)
 
     def infer(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.DataFrame]:  # noqa: UP006
-        predict = _predictor(model_bytes, factory)
+        predict = cached_predictor(model_bytes, factory)
         for columns in batches:
             columns = columns if isinstance(columns, tuple) else (columns,)
             rows = len(columns[0])
@@ -253,7 +254,7 @@ def predict_columns(df, feature_cols, output_cols, output_shapes, model_bytes: b
     columns_named = list(feature_cols)
 
     def infer(batches: Iterator[Tuple[pa.Array, ...]]) -> Iterator[pa.Array]:  # noqa: UP006
-        predict = _predictor(model_bytes, factory)
+        predict = cached_predictor(model_bytes, factory)
         for columns in batches:
             columns = columns if isinstance(columns, tuple) else (columns,)
             rows = len(columns[0])

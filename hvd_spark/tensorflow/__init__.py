@@ -44,7 +44,7 @@ from hvd_spark.collectives import (
     start_timeline,
     stop_timeline,
 )
-from hvd_spark.tensorflow import callbacks, elastic, half_kernels
+from hvd_spark.tensorflow import callbacks, elastic
 from hvd_spark.tensorflow.compression import Compression, Compressor
 from hvd_spark.tensorflow.functions import (
     add_process_set,
@@ -87,8 +87,6 @@ from hvd_spark.tensorflow.optimizer import (
     load_model,
 )
 from hvd_spark.tensorflow.sync_batch_norm import SyncBatchNormalization
-
-half_kernels.register()
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",

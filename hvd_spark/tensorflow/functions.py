@@ -17,7 +17,7 @@ import tensorflow as tf
 from hvd_spark import collectives as C
 from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
 from hvd_spark.errors import ConfigError
-from hvd_spark.tensorflow import kernel
+from hvd_spark.tensorflow import half_kernels, kernel
 from hvd_spark.tensorflow.gather_ops import broadcast_
 
 # Process sets seen by this binding, by id, for the *_op(process_set_id=...) functions.
@@ -25,7 +25,12 @@ _sets: dict[int, ProcessSet] = {}
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
-    """Join the job (a one-rank job without a launcher); safe to call more than once."""
+    """Join the job (a one-rank job without a launcher); safe to call more than once.
+
+    The first call also lends TensorFlow's float16 kernels to the collectives
+    (``half_kernels.register_once``) unless another binding's are registered.
+    """
+    half_kernels.register_once()
     C.init(comm, process_sets=process_sets)
     for ps in process_sets or ():
         if ps.process_set_id is not None:

@@ -179,7 +179,7 @@ def _raw_alltoall(tensor: tf.Tensor, splits: tf.Tensor, name: str | None,
 
 def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              ignore_name_scope: bool = False,
-             process_set: ProcessSet = global_process_set):
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[j]`` rows to rank j (an even split if None).
 
     Returns:

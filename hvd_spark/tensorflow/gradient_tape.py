@@ -22,7 +22,8 @@ class DistributedGradientTape:
 
     Args:
         gradtape: The tape that recorded the forward pass.
-        device_dense, device_sparse: Accepted for Horovod compatibility; ignored.
+        device_dense: Accepted for Horovod compatibility; ignored.
+        device_sparse: Accepted for Horovod compatibility; ignored.
         compression: ``Compression.none`` or ``Compression.fp16``.
         sparse_as_dense: Densify ``tf.IndexedSlices`` gradients (else they are allgathered).
         op: ``Average`` (default), ``Sum`` or ``Adasum``.
@@ -103,10 +104,11 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's public name
 ) -> DistributedGradientTape:
     """A ``DistributedGradientTape`` whose ``local_layers``' weights keep local gradients.
 
+    The other arguments are ``DistributedGradientTape``'s.
+
     Args:
         local_layers: A Keras layer or a list of them (model-parallel parts); their
             trainable weights are registered as local sources.
-        Others: as ``DistributedGradientTape``.
     """
     tape = DistributedGradientTape(
         gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,

@@ -18,8 +18,9 @@ them. So does a call where TensorFlow could misbehave:
 Large arrays go in slices of ``SLICE`` elements: TensorFlow copies its inputs, and a whole
 256 MB tensor at once would hold several copies.
 
-Importing ``hvd_spark.tensorflow`` registers these kernels unless others are registered
-already (torch's, when both bindings are loaded, are faster).
+The binding's ``init()`` registers these kernels once (:func:`register_once`), unless
+others are registered already (torch's, when both bindings are in use, are faster);
+importing registers nothing.
 """
 
 from __future__ import annotations
@@ -109,12 +110,23 @@ def scale(arr: np.ndarray, factor: float) -> bool:
 
 KERNELS = ops.HalfKernels(name="tensorflow", reduce=reduce, scale=scale)
 
+_registered_once = False
+
 
 def register() -> None:
     """Reduce and scale large float16 arrays with TensorFlow from now on, unless another
     binding's kernels are registered already."""
     if ops.half_kernels_name() == "numpy":
         ops.register_half_kernels(KERNELS)
+
+
+def register_once() -> None:
+    """:func:`register` on this process's first call only (``hvd_spark.tensorflow.init``
+    calls it), so that a later :func:`unregister` or ``ops.register_half_kernels`` stays."""
+    global _registered_once
+    if not _registered_once:
+        _registered_once = True
+        register()
 
 
 def unregister() -> None:

@@ -131,11 +131,14 @@ def grouped_allreduce(
     Args:
         tensors: Tensors, variables or ``tf.IndexedSlices`` (these are allgathered).
         average: Deprecated Horovod flag; prefer ``op``.
-        device_dense, device_sparse, ignore_name_scope: Accepted for Horovod
-            compatibility; the collectives run on host memory and names are explicit.
+        device_dense: Accepted for Horovod compatibility; the collectives run on host
+            memory.
+        device_sparse: Accepted for Horovod compatibility; ignored likewise.
+        ignore_name_scope: Accepted for Horovod compatibility; names are explicit.
         compression: How dense tensors travel (``Compression.none``/``fp16``).
         op: Average (default), Sum, Adasum, Min, Max or Product.
-        prescale_factor, postscale_factor: Multiply before/after the reduction.
+        prescale_factor: Multiply by this before the reduction.
+        postscale_factor: Multiply by this after the reduction.
         process_set: The ranks taking part (all by default).
         name: Base name of the operation (same on every rank); automatic if None.
 

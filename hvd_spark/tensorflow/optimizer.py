@@ -203,7 +203,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's public name
     Args:
         optimizer: A ``keras.optimizers.Optimizer`` (``tf.keras.optimizers.*`` in TF 2.16+).
         name: Optional new name of the optimizer.
-        device_dense, device_sparse: Accepted for Horovod compatibility; ignored.
+        device_dense: Accepted for Horovod compatibility; ignored.
+        device_sparse: Accepted for Horovod compatibility; ignored.
         compression: ``Compression.none`` or ``Compression.fp16``.
         sparse_as_dense: Densify ``tf.IndexedSlices`` gradients (else they are allgathered).
         gradient_predivide_factor: Divide by this before summing and by
@@ -284,9 +285,10 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's public name
 ) -> keras.optimizers.Optimizer:
     """A ``DistributedOptimizer`` whose ``local_layers``' weights keep local gradients.
 
+    The other arguments are ``DistributedOptimizer``'s.
+
     Args:
         local_layers: A Keras layer or a list of them (model-parallel parts).
-        Others: as ``DistributedOptimizer``.
     """
     opt = DistributedOptimizer(
         optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,

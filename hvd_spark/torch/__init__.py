@@ -1,8 +1,8 @@
 """Horovod's PyTorch API on hvd_spark: ``import hvd_spark.torch as hvd``.
 
 Code written for ``horovod.torch`` ports by changing that import. Collectives run
-in hvd_spark's background engine on numpy views of CPU tensors (CUDA tensors are
-staged through CPU copies).
+in hvd_spark's background engine on numpy views of CPU tensors; CUDA tensors stay on the
+GPU (NCCL or CUDA IPC) with the ``gpu`` extra, and are staged through host memory without it.
 """
 
 from hvd_spark.collectives import (
@@ -18,7 +18,6 @@ from hvd_spark.collectives import (
     global_process_set,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -35,13 +34,14 @@ from hvd_spark.collectives import (
     start_timeline,
     stop_timeline,
 )
-from hvd_spark.torch import elastic, half_kernels  # noqa: E402 - needs the names above
+from hvd_spark.torch import elastic  # noqa: E402 - needs the names above
 from hvd_spark.torch.compression import Compression, Compressor
 from hvd_spark.torch.functions import (
     allgather_object,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
+    init,
 )
 from hvd_spark.torch.mpi_ops import (
     Adasum,
@@ -81,10 +81,6 @@ from hvd_spark.torch.mpi_ops import (
 )
 from hvd_spark.torch.optimizer import DistributedOptimizer
 from hvd_spark.torch.sync_batch_norm import SyncBatchNorm
-
-# float16/bfloat16 gradients reduce through torch's vectorised CPU kernels (numpy's
-# half conversions are scalar); same rounding, bitwise the same results.
-half_kernels.register()
 
 __all__ = [
     "elastic",

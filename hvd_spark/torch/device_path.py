@@ -17,7 +17,7 @@ import torch
 
 from hvd_spark import collectives as C
 from hvd_spark.collectives.ops import ReduceOp
-from hvd_spark.torch.tensor_ops import TorchHandle
+from hvd_spark.torch.handles import TorchHandle
 
 # cupy has no bfloat16; complex tensors are refused earlier.
 _HOST_ONLY = (torch.bfloat16,)
@@ -50,7 +50,7 @@ def _stream_ptr(tensor: torch.Tensor) -> int:
 def _handle(device_handle: Any, tensor: torch.Tensor, result) -> TorchHandle:
     """A TorchHandle whose wait orders torch's stream after the collective."""
     def finish(results: list) -> Any:
-        event = device_handle._events.get("done")
+        event = device_handle.events.get("done")
         if event is not None:
             from hvd_spark.collectives.nccl import streams
 

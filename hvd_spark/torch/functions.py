@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from hvd_spark import collectives as C
 from hvd_spark.errors import ConfigError
+from hvd_spark.torch import half_kernels
 from hvd_spark.torch import tensor_ops as T
+
+
+def init(comm: Any = None, process_sets: Sequence[C.ProcessSet] | None = None) -> None:
+    """Join the job (a one-rank job without a launcher); safe to call more than once.
+
+    The first call also lends torch's vectorised float16/bfloat16 kernels to the
+    collectives (``half_kernels.register_once``): numpy's half conversions are scalar;
+    the rounding is the same, so the results are bitwise the same.
+    """
+    half_kernels.register_once()
+    C.init(comm, process_sets=process_sets)
 
 
 def broadcast_parameters(

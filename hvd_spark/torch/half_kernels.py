@@ -2,8 +2,9 @@
 
 numpy converts float16 element by element (~2-3 ns each way); torch's CPU kernels
 upcast to float32, compute and round to nearest even once, vectorised, which is what
-``hvd_spark.collectives.ops`` computes too, so results stay bitwise the same. Importing
-``hvd_spark.torch`` registers them; :func:`unregister` goes back to numpy.
+``hvd_spark.collectives.ops`` computes too, so results stay bitwise the same. The
+binding's ``init()`` registers them once (:func:`register_once`); importing registers
+nothing; :func:`unregister` goes back to numpy.
 """
 
 from __future__ import annotations
@@ -58,10 +59,21 @@ def scale(arr: np.ndarray, factor: float) -> bool:
 
 KERNELS = ops.HalfKernels(name="torch", reduce=reduce, scale=scale)
 
+_registered_once = False
+
 
 def register() -> None:
     """Reduce and scale float16/bfloat16 with torch from now on (in this process)."""
     ops.register_half_kernels(KERNELS)
+
+
+def register_once() -> None:
+    """:func:`register` on this process's first call only (``hvd_spark.torch.init`` calls
+    it), so that a later :func:`unregister` or ``ops.register_half_kernels`` stays."""
+    global _registered_once
+    if not _registered_once:
+        _registered_once = True
+        register()
 
 
 def unregister() -> None:

@@ -19,7 +19,7 @@ from hvd_spark.errors import ConfigError
 from hvd_spark.torch import autograd as G
 from hvd_spark.torch import tensor_ops as T
 from hvd_spark.torch.compression import Compression, Compressor
-from hvd_spark.torch.tensor_ops import TorchHandle, poll, synchronize
+from hvd_spark.torch.handles import TorchHandle, poll, synchronize
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "ReduceOp", "Sum", "TorchHandle",
@@ -73,9 +73,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         name: Identical on every rank; automatic names need the same call order everywhere.
         compression: Applied before the wire and undone after.
         op: Sum, Average, Min, Max or Product.
-        prescale_factor, postscale_factor: Multiply before / after the reduction.
+        prescale_factor: Multiply by this before the reduction.
+        postscale_factor: Multiply by this after the reduction.
     """
-    T._checked(tensor, "allreduce", "allreduce", name, process_set)
+    T.checked_tensor(tensor, "allreduce", "allreduce", name, process_set)
     op = resolve_op(average, op)
     wire, ctx = compression.compress(tensor)
     if _wants_grad(tensor):
@@ -164,7 +165,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def allgather(tensor: torch.Tensor, name: str | None = None,
         process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0 (first dims may differ); differentiable."""
-    T._checked(tensor, "allgather", "allgather", name, process_set)
+    T.checked_tensor(tensor, "allgather", "allgather", name, process_set)
     if _wants_grad(tensor):
         return G.AllgatherFn.apply(tensor, name, process_set)
     return T.allgather_async(tensor, name, process_set).wait()
@@ -179,7 +180,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
         process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s tensor on every rank; differentiable."""
-    T._checked(tensor, "broadcast", "broadcast", name, process_set)
+    T.checked_tensor(tensor, "broadcast", "broadcast", name, process_set)
     if _wants_grad(tensor):
         return G.BroadcastFn.apply(tensor, root_rank, name, process_set)
     return T.broadcast_async(tensor, root_rank, name, process_set).wait()
@@ -212,7 +213,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
         The rows received from every rank, concatenated in rank order; when ``splits``
         was given, also how many rows came from each rank (Horovod's convention).
     """
-    T._checked(tensor, "alltoall", "alltoall", name, process_set)
+    T.checked_tensor(tensor, "alltoall", "alltoall", name, process_set)
     if _wants_grad(tensor):
         out, received = G.AlltoallFn.apply(tensor, splits, name, process_set)
     else:
@@ -238,7 +239,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
 
     Arguments in Horovod's order (``process_set`` before the scale factors).
     """
-    T._checked(tensor, "reducescatter", "reducescatter", name, process_set)
+    T.checked_tensor(tensor, "reducescatter", "reducescatter", name, process_set)
     op = resolve_op(None, op)
     wire, ctx = compression.compress(tensor)
     if _wants_grad(tensor):
@@ -305,7 +306,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather several tensors (each concatenated along dim 0 over the ranks); differentiable."""
-    base = T._group_base("allgather", tensors, name, process_set)
+    base = T.group_base("allgather", tensors, name, process_set)
     return [allgather(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)]
 
 
@@ -326,6 +327,6 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reduce-scatter several tensors; returns this rank's block of each; differentiable."""
-    base = T._group_base("reducescatter", tensors, name, process_set)
+    base = T.group_base("reducescatter", tensors, name, process_set)
     return [reducescatter(t, f"{base}.{i}", compression, op, process_set, prescale_factor,
                           postscale_factor) for i, t in enumerate(tensors)]

@@ -23,6 +23,7 @@ from hvd_spark.torch import device_path
 from hvd_spark.torch import tensor_ops as T
 from hvd_spark.torch.compression import Compression, Compressor
 from hvd_spark.torch.cuda_staging import CudaStager
+from hvd_spark.torch.handles import TorchHandle
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class _DistributedOptimizer:
             for handle, (p, grad, wire, ctx, _) in zip(handles, items):
                 self._hvd_handles[p] = (handle, grad, wire, ctx)
 
-    def _hvd_sparse(self, p: torch.Tensor) -> T.TorchHandle:
+    def _hvd_sparse(self, p: torch.Tensor) -> TorchHandle:
         """A sparse gradient (an embedding's): allgathered as indices and values."""
         from hvd_spark.torch.mpi_ops import sparse_allreduce_async
 
@@ -177,7 +178,7 @@ class _DistributedOptimizer:
             p.grad = handle.wait()
             return p.grad
 
-        return T.TorchHandle(handle.inner, finish)
+        return TorchHandle(handle.inner, finish)
 
     @property
     def _parameter_names(self) -> dict:

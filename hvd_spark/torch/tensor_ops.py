@@ -20,6 +20,7 @@ import torch
 from hvd_spark import collectives as C
 from hvd_spark.collectives.ops import BFLOAT16, ReduceOp
 from hvd_spark.errors import ConfigError
+from hvd_spark.torch.handles import TorchHandle
 
 _COMPLEX = (torch.complex32, torch.complex64, torch.complex128)
 # What travels: the dtypes with a numpy counterpart (bfloat16 through ml_dtypes).
@@ -93,50 +94,6 @@ def _cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else tensor.detach().cpu()
 
 
-class TorchHandle:
-    """The pending result of an asynchronous tensor collective.
-
-    Pass it to ``synchronize`` (or ``poll``). Wraps one or more engine handles and
-    the step that turns their numpy results into tensors, run in the caller's thread.
-    """
-
-    def __init__(self, inner: Sequence[C.Handle], finish: Callable[[list], Any]) -> None:
-        self.inner = list(inner)
-        self._finish = finish
-        self._done = False
-        self._result: Any = None
-
-    def done(self) -> bool:
-        """True when every underlying operation finished."""
-        return all(h.done() for h in self.inner)
-
-    def __call__(self) -> Any:
-        """``wait()``: Horovod's sparse handles are called to get their result."""
-        return self.wait()
-
-    def wait(self) -> Any:
-        """Block until finished; return the tensor result (or raise the operation's error)."""
-        if not self._done:
-            results = [C.synchronize(h) for h in self.inner]
-            self._result = self._finish(results)
-            self._done = True
-        return self._result
-
-
-def synchronize(handle: TorchHandle) -> Any:
-    """Wait for an async operation and return its output tensor."""
-    if not isinstance(handle, TorchHandle):
-        raise ConfigError(
-            f"synchronize expects a handle returned by an *_async call, got {type(handle).__name__}"
-        )
-    return handle.wait()
-
-
-def poll(handle: TorchHandle) -> bool:
-    """True when the async operation finished (``synchronize`` then returns at once)."""
-    return all(C.poll(h) for h in handle.inner)  # C.poll yields the GIL while not done
-
-
 def _single(fn: Callable[[Any], Any]) -> Callable[[list], Any]:
     return lambda results: fn(results[0])
 
@@ -158,7 +115,7 @@ def _in_place_target(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[Any]
 _GLOBAL = C.global_process_set
 
 
-def _checked(tensor: Any, what: str, kind: str, name: str | None,
+def checked_tensor(tensor: Any, what: str, kind: str, name: str | None,
              process_set: C.ProcessSet) -> torch.Tensor:
     """``check_tensor``, but a failure is also reported to the other ranks.
 
@@ -180,7 +137,7 @@ def allreduce_async(
     process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start an out-of-place allreduce; the result is a new tensor on ``tensor``'s device."""
-    _checked(tensor, "allreduce", "allreduce", name, process_set)
+    checked_tensor(tensor, "allreduce", "allreduce", name, process_set)
     if tensor.is_cuda:
         from hvd_spark.torch import device_path
 
@@ -198,7 +155,7 @@ def allreduce_async_(
     process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start an in-place allreduce: ``tensor`` receives the result (no copy on CPU)."""
-    _checked(tensor, "allreduce_", "allreduce", name, process_set)
+    checked_tensor(tensor, "allreduce_", "allreduce", name, process_set)
     if tensor.is_cuda:
         from hvd_spark.torch import device_path
 
@@ -225,7 +182,7 @@ def allreduce(
     if isinstance(tensor, torch.Tensor) and tensor.is_cuda:  # (checked by allreduce_async)
         return allreduce_async(tensor, name, op, prescale_factor, postscale_factor,
                                process_set).wait()
-    _checked(tensor, "allreduce", "allreduce", name, process_set)
+    checked_tensor(tensor, "allreduce", "allreduce", name, process_set)
     result = C.allreduce(as_numpy(_cpu(tensor)), name, op, prescale_factor,
                          postscale_factor, process_set)
     return from_numpy(result, tensor.device)
@@ -240,7 +197,7 @@ def allreduce_(
     if isinstance(tensor, torch.Tensor) and tensor.is_cuda:  # (checked by allreduce_async_)
         return allreduce_async_(tensor, name, op, prescale_factor, postscale_factor,
                                 process_set).wait()
-    _checked(tensor, "allreduce_", "allreduce", name, process_set)
+    checked_tensor(tensor, "allreduce_", "allreduce", name, process_set)
     cpu, finish = _in_place_target(tensor)
     C.allreduce_(as_numpy(cpu), name, op, prescale_factor, postscale_factor, process_set)
     return finish(None)
@@ -267,7 +224,7 @@ def _check_group(kind: str, tensors: Any) -> None:
         raise ConfigError(f"grouped_{kind} expects a list of tensors")
 
 
-def _group_base(kind: str, tensors: Any, name: str | None, process_set: C.ProcessSet) -> str:
+def group_base(kind: str, tensors: Any, name: str | None, process_set: C.ProcessSet) -> str:
     """A group's base name for its tensors' own calls (``<base>.<i>``), numbered as the
     numpy grouped calls are (so unnamed groups of the two never share a name)."""
     _check_group(kind, tensors)
@@ -288,7 +245,7 @@ def grouped_allreduce_async(
     if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
         return _grouped_allreduce_host(tensors, name, op, prescale_factor, postscale_factor,
                                        in_place, process_set)
-    base = _group_base("allreduce", tensors, name, process_set)
+    base = group_base("allreduce", tensors, name, process_set)
     start = allreduce_async_ if in_place else allreduce_async
     parts = [start(t, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set)
              for i, t in enumerate(tensors)]
@@ -331,7 +288,7 @@ def _grouped_allreduce_host(
 def allgather_async(tensor: torch.Tensor, name: str | None,
                     process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start concatenating every rank's tensor along dim 0."""
-    _checked(tensor, "allgather", "allgather", name, process_set)
+    checked_tensor(tensor, "allgather", "allgather", name, process_set)
     if tensor.is_cuda:
         from hvd_spark.torch import device_path
 
@@ -344,7 +301,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None,
                             process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start allgathers of several tensors; one handle whose result is a list."""
-    base = _group_base("allgather", tensors, name, process_set)
+    base = group_base("allgather", tensors, name, process_set)
     parts = [allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)]
     return TorchHandle([h for p in parts for h in p.inner], lambda _: [p.wait() for p in parts])
 
@@ -352,7 +309,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None,
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
                     process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start broadcasting root's tensor; the result is a new tensor."""
-    _checked(tensor, "broadcast", "broadcast", name, process_set)
+    checked_tensor(tensor, "broadcast", "broadcast", name, process_set)
     if tensor.is_cuda:
         from hvd_spark.torch import device_path
 
@@ -366,7 +323,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None,
                      process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start an in-place broadcast into ``tensor``."""
-    _checked(tensor, "broadcast_", "broadcast", name, process_set)
+    checked_tensor(tensor, "broadcast_", "broadcast", name, process_set)
     if tensor.is_cuda:
         from hvd_spark.torch import device_path
 
@@ -382,7 +339,7 @@ def alltoall_async(
     tensor: torch.Tensor, splits: Any, name: str | None, process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start an alltoall; the result is ``(tensor, received_splits)``."""
-    _checked(tensor, "alltoall", "alltoall", name, process_set)
+    checked_tensor(tensor, "alltoall", "alltoall", name, process_set)
     if isinstance(splits, torch.Tensor):
         splits = splits.detach().cpu().numpy()
     handle = C.alltoall_async(as_numpy(_cpu(tensor)), splits, name, process_set)
@@ -400,7 +357,7 @@ def reducescatter_async(
     process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start a reduce-scatter: reduce across ranks, keep this rank's block of dim-0 rows."""
-    _checked(tensor, "reducescatter", "reducescatter", name, process_set)
+    checked_tensor(tensor, "reducescatter", "reducescatter", name, process_set)
     handle = C.reducescatter_async(
         as_numpy(_cpu(tensor)), name, op, prescale_factor, postscale_factor, process_set)
     return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
@@ -412,7 +369,7 @@ def grouped_reducescatter_async(
     process_set: C.ProcessSet = _GLOBAL,
 ) -> TorchHandle:
     """Start reduce-scatters of several tensors; one handle whose result is a list."""
-    base = _group_base("reducescatter", tensors, name, process_set)
+    base = group_base("reducescatter", tensors, name, process_set)
     parts = [reducescatter_async(t, f"{base}.{i}", op, prescale_factor, postscale_factor,
                                  process_set) for i, t in enumerate(tensors)]
     return TorchHandle([h for p in parts for h in p.inner], lambda _: [p.wait() for p in parts])

@@ -5,7 +5,7 @@ hostname (a UTS namespace) and its own /dev/shm (so ranks on different hosts can
 fall back to shared memory), joined to the other hosts and to the machine's root
 namespace through a Linux bridge. Each link can be shaped with ``tc`` in both directions
 (``tbf`` for a rate, ``netem`` for a delay) and taken down and up again.
-``netns_services`` starts Spark standalone daemons and sshd on the hosts.
+``netns_cluster.services`` starts Spark standalone daemons and sshd on the hosts.
 
 Needs root, ``ip`` (iproute2), ``tc``, ``unshare`` and ``mount``; ``problem()`` says why
 it cannot run here. Everything is removed by ``close()``; namespaces that a killed
@@ -114,8 +114,12 @@ def problem() -> str | None:
     return None
 
 
-def _sh(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    """Run a short administrative command with a deadline; raise HarnessError on failure."""
+def sh(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run a short administrative command (``ip``, ``tc``, ``ssh-keygen``) with a deadline.
+
+    Raises:
+        HarnessError: It failed (``check``) or did not finish in time.
+    """
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -138,26 +142,26 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale() -> list[str]:
     """Delete this harness's namespaces and bridges whose creating process is gone."""
     removed = []
-    listing = _sh(["ip", "netns", "list"], check=False).stdout.split()
+    listing = sh(["ip", "netns", "list"], check=False).stdout.split()
     for name in listing:
         if not name.startswith(NS_PREFIX) or "-" not in name:
             continue
         owner = name[len(NS_PREFIX):].split("-")[0]
         if owner.isdigit() and not _pid_alive(int(owner)):
-            _sh(["ip", "netns", "del", name], check=False)
+            sh(["ip", "netns", "del", name], check=False)
             shutil.rmtree(os.path.join(_NETNS_ETC, name), ignore_errors=True)
             removed.append(name)
     # Bridges and veth ends of dead owners (a deleted namespace's are freed lazily).
     for link in os.listdir("/sys/class/net"):
         match = re.match(r"hv[bv](\d+)", link)
         if match and not _pid_alive(int(match.group(1))):
-            _sh(["ip", "link", "del", link], check=False)
+            sh(["ip", "link", "del", link], check=False)
             removed.append(link)
     return removed
 
 
 def _used_subnets() -> set[str]:
-    out = _sh(["ip", "-o", "-4", "addr", "show"], check=False).stdout
+    out = sh(["ip", "-o", "-4", "addr", "show"], check=False).stdout
     nets = set()
     for line in out.splitlines():
         parts = line.split()
@@ -226,9 +230,9 @@ class NetnsHosts:
         hosts = list(net.hosts())
         self.bridge_addr = str(hosts[0])
         self.addrs = [str(hosts[10 + i]) for i in range(self.count)]
-        _sh(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _sh(["ip", "addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge])
-        _sh(["ip", "link", "set", self.bridge, "up"])
+        sh(["ip", "link", "add", self.bridge, "type", "bridge"])
+        sh(["ip", "addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge])
+        sh(["ip", "link", "set", self.bridge, "up"])
         etc_hosts = "127.0.0.1 localhost\n" + "".join(
             f"{a} {h}\n" for a, h in zip(self.addrs, self.hostnames))
         for i, ns in enumerate(self.namespaces):
@@ -244,24 +248,24 @@ class NetnsHosts:
             f.write("# no DNS inside the test hosts\n")
         with open(os.path.join(etc, "hostname"), "w") as f:
             f.write(self.hostnames[i] + "\n")
-        _sh(["ip", "netns", "add", ns])
+        sh(["ip", "netns", "add", ns])
         outer, inner = self.veths[i], f"hvi{self.tag}x{i}"
-        _sh(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner])
-        _sh(["ip", "link", "set", inner, "netns", ns])
-        _sh(["ip", "-n", ns, "link", "set", inner, "name", "eth0"])
-        _sh(["ip", "-n", ns, "addr", "add", f"{self.addrs[i]}/{prefixlen}", "dev", "eth0"])
-        _sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-        _sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
-        _sh(["ip", "link", "set", outer, "master", self.bridge])
-        _sh(["ip", "link", "set", outer, "up"])
-        _sh(["ip", "-n", ns, "route", "add", "default", "via", self.bridge_addr])
+        sh(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner])
+        sh(["ip", "link", "set", inner, "netns", ns])
+        sh(["ip", "-n", ns, "link", "set", inner, "name", "eth0"])
+        sh(["ip", "-n", ns, "addr", "add", f"{self.addrs[i]}/{prefixlen}", "dev", "eth0"])
+        sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        sh(["ip", "link", "set", outer, "master", self.bridge])
+        sh(["ip", "link", "set", outer, "up"])
+        sh(["ip", "-n", ns, "route", "add", "default", "via", self.bridge_addr])
         qdisc = self.shape.qdisc_args()
         if qdisc:  # both directions: host -> bridge and bridge -> host
             self._shape(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0",
                          "root", *qdisc])
             self._shape(["tc", "qdisc", "add", "dev", outer, "root", *qdisc])
     def _shape(self, argv: list[str]) -> None:
-        done = _sh(argv, check=False)
+        done = sh(argv, check=False)
         if done.returncode == 0:
             return
         if "netem" in argv and "unknown" in done.stderr:
@@ -279,19 +283,19 @@ class NetnsHosts:
         net = self._pick_subnet()
         hosts = list(net.hosts())
         bridge = f"hvb{self.tag}n{len(self._extra_bridges) + 1}"
-        _sh(["ip", "link", "add", bridge, "type", "bridge"])
+        sh(["ip", "link", "add", bridge, "type", "bridge"])
         self._extra_bridges.append(bridge)
-        _sh(["ip", "link", "set", bridge, "up"])
+        sh(["ip", "link", "set", bridge, "up"])
         addrs = [str(hosts[10 + i]) for i in range(self.count)]
         for i, ns in enumerate(self.namespaces):
             outer = f"hvv{self.tag}n{len(self._extra_bridges)}x{i}"
             self._extra_veths.append(outer)
-            _sh(["ip", "link", "add", outer, "type", "veth", "peer", "name", iface,
+            sh(["ip", "link", "add", outer, "type", "veth", "peer", "name", iface,
                  "netns", ns])
-            _sh(["ip", "-n", ns, "addr", "add", f"{addrs[i]}/{net.prefixlen}", "dev", iface])
-            _sh(["ip", "-n", ns, "link", "set", iface, "up"])
-            _sh(["ip", "link", "set", outer, "master", bridge])
-            _sh(["ip", "link", "set", outer, "up"])
+            sh(["ip", "-n", ns, "addr", "add", f"{addrs[i]}/{net.prefixlen}", "dev", iface])
+            sh(["ip", "-n", ns, "link", "set", iface, "up"])
+            sh(["ip", "link", "set", outer, "master", bridge])
+            sh(["ip", "link", "set", outer, "up"])
         self.interfaces[iface] = addrs
         return addrs
 
@@ -301,11 +305,11 @@ class NetnsHosts:
         for i, ns in enumerate(self.namespaces):
             addr = f"172.31.{i + 1}.1"
             # A veth pair with both ends here (some kernels have no dummy interfaces).
-            _sh(["ip", "-n", ns, "link", "add", iface, "type", "veth", "peer", "name",
+            sh(["ip", "-n", ns, "link", "add", iface, "type", "veth", "peer", "name",
                  f"{iface[:12]}p"])
-            _sh(["ip", "-n", ns, "link", "set", f"{iface[:12]}p", "up"])
-            _sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface])
-            _sh(["ip", "-n", ns, "link", "set", iface, "up"])
+            sh(["ip", "-n", ns, "link", "set", f"{iface[:12]}p", "up"])
+            sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", iface])
+            sh(["ip", "-n", ns, "link", "set", iface, "up"])
             addrs.append(addr)
         self.interfaces[iface] = addrs
         return addrs
@@ -362,7 +366,7 @@ class NetnsHosts:
 
     def set_link(self, i: int, up: bool) -> None:
         """Take host ``i``'s link down (it is cut off from every other host) or up."""
-        _sh(["ip", "link", "set", self.veths[i], "up" if up else "down"])
+        sh(["ip", "link", "set", self.veths[i], "up" if up else "down"])
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -374,15 +378,15 @@ class NetnsHosts:
             stop(holder)
         self._holders.clear()
         for ns in self.namespaces:
-            _sh(["ip", "netns", "del", ns], check=False)
+            sh(["ip", "netns", "del", ns], check=False)
             shutil.rmtree(os.path.join(_NETNS_ETC, ns), ignore_errors=True)
         # Normally gone with their namespace's peer, but the kernel frees a deleted
         # namespace later: delete them now so nothing outlives close().
         for veth in [*self.veths, *self._extra_veths]:
             if os.path.exists(f"/sys/class/net/{veth}"):
-                _sh(["ip", "link", "del", veth], check=False)
+                sh(["ip", "link", "del", veth], check=False)
         for bridge in [self.bridge, *self._extra_bridges]:
-            _sh(["ip", "link", "del", bridge], check=False)
+            sh(["ip", "link", "del", bridge], check=False)
         self._extra_bridges.clear()
         self._extra_veths.clear()
 

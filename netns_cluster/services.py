@@ -18,14 +18,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from hvd_spark.bench.netns_hosts import (
-    HarnessError,
-    LinkShape,
-    NetnsHosts,
-    _sh,
-    free_port,
-    stop,
-)
+from netns_cluster.hosts import HarnessError, LinkShape, NetnsHosts, free_port, sh, stop
 
 
 class SparkStandalone:
@@ -222,7 +215,7 @@ class SshServers:
             raise HarnessError("sshd is not installed (apt-get install openssh-server)")
         host_key = os.path.join(self.workdir, "host_key")
         for key in (host_key, self.identity):
-            _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key])
+            sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key])
         authorized = os.path.join(self.workdir, "authorized_keys")
         shutil.copy(self.identity + ".pub", authorized)
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory
