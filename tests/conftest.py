@@ -12,6 +12,8 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# No EC2 metadata lookups from the AWS SDK (pyarrow's S3): a connection it keeps open.
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
 def _session(master: str):
@@ -36,6 +38,26 @@ def _session(master: str):
     )
 
 
+# ---------------------------------------------------------------------- test tiers
+# `make test` runs -m "not slow and not multihost and not gpu": unit and contract tests
+# plus one end-to-end smoke per feature (marked `smoke` where it is written).
+_TIER_BY_FOLDER = {"multihost": "multihost", "gpu": "gpu"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark tests by folder: multihost/ and gpu/ by name, integration/ slow unless smoke."""
+    root = config.rootpath / "tests"
+    for item in items:
+        try:
+            folder = item.path.relative_to(root).parts[0]
+        except ValueError:  # a test outside tests/ (e.g. a doctest run by hand)
+            continue
+        if folder in _TIER_BY_FOLDER:
+            item.add_marker(_TIER_BY_FOLDER[folder])
+        elif folder == "integration" and item.get_closest_marker("smoke") is None:
+            item.add_marker("slow")
+
+
 @pytest.fixture(scope="module")
 def spark():
     """A local[2] SparkSession shared by the tests of one module."""
@@ -48,57 +70,44 @@ def spark_cluster():
     return _session("local-cluster[2,1,1024]")
 
 
+@pytest.fixture
+def mlflow_client(tmp_path, monkeypatch):
+    """An MlflowClient on a fresh sqlite store; the process's tracking URI restored after."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)  # the store's default artifact root is ./mlruns
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # set_tracking_uri writes it: undone after
+    mlflow.set_tracking_uri(uri)
+    yield mlflow.MlflowClient(uri)
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+    mlflow.set_tracking_uri(None)
+
+
 # ---------------------------------------------------------------------- test hygiene
-# Fails a test that leaves behind what it created: hvd_spark threads, HVD_SPARK_*/
-# HOROVOD_* variables, or shared-memory segments. Only what appeared during the test
-# counts, and threads get a grace period to finish (engines say goodbye, pumps drain).
+# Fails a test that leaves behind what it created (tests/hygiene.py): hvd_spark threads,
+# HVD_SPARK_*/HOROVOD_* variables, shared-memory segments, child processes or open file
+# descriptors. Only what appeared during the test counts, and it gets a grace period to
+# end on its own (engines say goodbye, pumps drain, children are reaped).
 
 _HYGIENE_GRACE_S = 5.0
-_ENV_PREFIXES = ("HVD_SPARK_", "HOROVOD_")
-# Threads that legitimately outlive a test: the Spark job thread of a module-scoped
-# session's last run ends with the job, and a store connection ends when its client does.
-_THREADS_ALLOWED = ("hvd-spark-job", "hvd-store-conn", "hvd-out-", "hvd-log")
-
-
-def _hvd_threads() -> dict[int, str]:
-    import threading
-
-    return {t.ident: t.name for t in threading.enumerate()
-            if t.name.startswith("hvd-") and not t.name.startswith(_THREADS_ALLOWED)}
-
-
-def _hvd_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-
-
-def _shm_segments() -> set[str]:
-    import glob
-
-    return set(glob.glob("/dev/shm/hvd_spark_*"))
 
 
 @pytest.fixture(autouse=True)
 def _hygiene():
-    """Fail a test that leaks hvd threads, environment changes or /dev/shm files."""
+    """Fail a test that leaks threads, environment changes, /dev/shm files, children or fds."""
     import time
 
-    threads, env, segments = _hvd_threads(), _hvd_env(), _shm_segments()
+    from tests.hygiene import State
+
+    before = State.now()
     yield
     deadline = time.monotonic() + _HYGIENE_GRACE_S
     while True:
-        leaked = {i: n for i, n in _hvd_threads().items() if i not in threads}
-        new_segments = _shm_segments() - segments
-        if (not leaked and not new_segments) or time.monotonic() > deadline:
+        problems = State.now(known=before.children).leaked_since(before)
+        if not problems or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    changed = {k for k in set(env) | set(_hvd_env()) if env.get(k) != os.environ.get(k)}
-    problems = []
-    if leaked:
-        problems.append(f"threads still running: {sorted(leaked.values())}")
-    if changed:
-        problems.append(f"environment variables changed: {sorted(changed)} "
-                        "(use monkeypatch.setenv)")
-    if new_segments:
-        problems.append(f"shared-memory files left: {sorted(new_segments)}")
     if problems:
         pytest.fail("test left state behind: " + "; ".join(problems), pytrace=False)

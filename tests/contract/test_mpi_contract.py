@@ -21,7 +21,7 @@ from hvd_spark import errors
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.tcp import wire
-from hvd_spark.runner.mpi_launcher import mpirun_command
+from hvd_spark.runner.local.mpi_launcher import mpirun_command
 from tests.contract import mpi_ranks
 from tests.contract.communicator_contract import CommunicatorContract
 

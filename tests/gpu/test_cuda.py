@@ -20,7 +20,7 @@ from hvd_spark.data.spec import ColumnSpec, DatasetSpec, SplitSpec
 from hvd_spark.data.store import Store
 from hvd_spark.estimator.torch_worker import train_torch
 from hvd_spark.estimator.train_spec import TrainSpec
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.local.local_launcher import run_local
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.local.local_launcher import run_local
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -57,7 +57,7 @@ def _every_op(device_of_rank: str) -> dict:
     a2a, splits = device_ops.alltoall_async(cupy.arange(2 * n, dtype=cupy.int32) + 100 * r,
                                             name="a2a").wait()
     out["a2a"] = (cupy.asnumpy(a2a), np.asarray(splits))
-    plan = api._engine.comm.plan
+    plan = api.current_engine().comm.plan
     out["mode"] = plan.mode if plan is not None else None
     hvd.shutdown()
     return out
@@ -119,7 +119,7 @@ def _two_per_gpu() -> dict:
     device_ops.allreduce_many_async_([x], ["h"], ops.Sum)[0].wait()
     b = cupy.full(10, float(r), cupy.float32)
     device_ops.broadcast_async_(b, 3, "hb").wait()
-    out = {"sum": float(x[0]), "bcast": float(b[0]), "mode": api._engine.comm.plan.mode}
+    out = {"sum": float(x[0]), "bcast": float(b[0]), "mode": api.current_engine().comm.plan.mode}
     hvd.shutdown()
     return out
 

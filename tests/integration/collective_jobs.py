@@ -59,7 +59,7 @@ def out_of_order_and_fusion() -> dict:
     ooo = {nm: hvd.synchronize(h).tolist() for nm, h in handles.items()}
     from hvd_spark.collectives import api
 
-    engine = api._engine
+    engine = api.current_engine()
     before = (engine.executed_responses, engine.executed_tensors)
     # Above the eager size, so they take the ring (fused); eager ones have nothing to fuse.
     rows = engine.eager_bytes // 4 + 1
@@ -79,7 +79,7 @@ def eager_paths() -> dict:
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api._engine
+    engine = api.current_engine()
     out: dict = {"limit": engine.eager_bytes}
     eager_before = engine.executed_eager
     x = np.arange(12, dtype=np.float64).reshape(3, 4) * (r + 1) - 5
@@ -137,70 +137,6 @@ def eager_paths() -> dict:
     out["unwaited_done"] = hvd.poll(handle)
     out["unwaited"] = hvd.synchronize(handle).tolist()
     out["eager_count"] = engine.executed_eager - eager_before
-    hvd.shutdown()
-    return out
-
-
-def paired_decisions() -> dict:
-    """Two ranks decide small allreduces alone (``pairing``): exact, in any submission
-    order, and through rank 0 wherever one side cannot pair."""
-    from hvd_spark.collectives import api
-
-    hvd.init()
-    r = hvd.rank()
-    engine = api._engine
-    out: dict = {}
-    before = engine.paired
-    names = ["loss", "acc", "count"]
-    steps = []
-    for step in range(30):  # the same names every step, in opposite orders on the ranks
-        order = names if (r + step) % 2 == 0 else names[::-1]
-        handles = {nm: hvd.allreduce_async(np.array([step * 10.0 + i + r]), name=nm,
-                                           op=hvd.Sum)
-                   for i, nm in ((names.index(nm), nm) for nm in order)}
-        steps.append([float(hvd.synchronize(handles[nm])[0]) for nm in names])
-    out["steps"] = steps
-    out["paired"] = engine.paired - before
-    # One rank's tensor rides along, the other's is too large to: both fail alike.
-    limit_rows = engine.lone_eager_bytes // 8
-    for small in (0, 1):
-        rows = 2 if r == small else limit_rows + 1
-        try:
-            hvd.allreduce(np.ones(rows), name=f"mixed{small}")
-            out[f"mixed{small}"] = "no error"
-        except Exception as exc:  # noqa: BLE001 - the test compares the messages
-            out[f"mixed{small}"] = f"{type(exc).__name__}: {exc}"
-    # Rank 1's unpairable request reaches rank 0 first: rank 0 must not pair its own.
-    if r == 0:
-        time.sleep(0.3)
-    start = time.monotonic()
-    try:
-        hvd.allreduce(np.ones(2 if r == 0 else limit_rows + 1), name="mixed.late")
-        out["mixed_late"] = "no error"
-    except Exception as exc:  # noqa: BLE001 - the test compares the messages
-        out["mixed_late"] = f"{type(exc).__name__}: {exc}"
-    out["mixed_late_s"] = time.monotonic() - start
-    before = engine.paired
-    out["after"] = hvd.allreduce(np.ones(2) * (r + 1), op=hvd.Sum).tolist()
-    if r == 1:
-        time.sleep(0.3)  # rank 0's request waits for rank 1's
-    out["late1"] = hvd.allreduce(np.array([r + 1.0]), name="late1", op=hvd.Sum).tolist()
-    if r == 0:
-        time.sleep(0.3)  # rank 0 holds rank 1's request until it asks too
-    out["late0"] = hvd.allreduce(np.array([r + 2.0]), name="late0", op=hvd.Sum).tolist()
-    out["paired_again"] = engine.paired - before
-    # A process set's allreduce goes through rank 0 (here each rank alone in its own).
-    sets = [hvd.add_process_set([0]), hvd.add_process_set([1])]
-    before = engine.paired
-    out["set"] = hvd.allreduce(np.ones(2) * (r + 1), op=hvd.Sum, process_set=sets[r]).tolist()
-    out["set_paired"] = engine.paired - before
-    hvd.barrier()
-    # Rank 1 joins at once; rank 0's allreduces then take rank 1's zeros.
-    if r == 0:
-        out["joined"] = [hvd.allreduce(np.ones(2) * 5, name=f"j{i}", op=hvd.Sum).tolist()
-                         for i in range(3)]
-    out["last_joined"] = hvd.join()
-    out["after_join"] = hvd.allreduce(np.ones(1) * (r + 1), op=hvd.Sum).tolist()
     hvd.shutdown()
     return out
 
@@ -362,7 +298,9 @@ def half_allreduces(kernels: str) -> dict:
 
     taken: list[bool] = []
     if kernels == "torch":
-        import hvd_spark.torch  # noqa: F401 - registers torch's half kernels
+        import hvd_spark.torch
+
+        hvd_spark.torch.init()  # the binding's init lends torch's half kernels
     elif kernels == "tensorflow":
         import tensorflow as tf
 
@@ -417,7 +355,7 @@ def autotune_mid_run(max_steps: int = 400) -> dict:
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     pair = hvd.add_process_set([0, 1]) if n >= 3 else None
-    engine = api._engine
+    engine = api.current_engine()
     shapes = [(700_000,), (3, 1000), (17,), (120_000,), (5,)]  # 2.8 MB down to 20 B
     digests, pair_digests, chunks, worst = [], [], [], 0.0
     done, step = False, 0
@@ -447,14 +385,14 @@ def autotune_mid_run(max_steps: int = 400) -> dict:
 
 
 def held_requests() -> dict:
-    """Submissions wait to be sent until the next cycle (``Engine._submitted``): a burst
+    """Submissions wait to be sent until the next cycle (``TcpEngine._submitted``): a burst
     leaves in a frame or two, and a pair decided before its half left still sends that
     half's input, not the result written into it."""
     from hvd_spark.collectives import api
 
     hvd.init()
     r = hvd.rank()
-    engine = api._engine
+    engine = api.current_engine()
     out: dict = {}
     # Rank 0's copies reach rank 1 before rank 1 submits: rank 1 could decide each pair
     # the moment it records its own half, while that half is still held.
@@ -518,7 +456,7 @@ def burst_through_small_socket_buffers(count: int = 160) -> dict:
 
     hvd.init()
     r = hvd.rank()
-    for sock in api._engine._control.values():
+    for sock in api.current_engine()._control.values():
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, 64 * 1024)
     hvd.barrier()
@@ -543,7 +481,7 @@ def hold_after_a_thread_switch() -> dict:
 
     hvd.init()
     r = hvd.rank()
-    engine = api._engine
+    engine = api.current_engine()
     if r == 1:
         hold = engine._hold
 

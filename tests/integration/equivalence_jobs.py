@@ -53,6 +53,19 @@ BATCH = 16  # rows per rank per batch
 ROWS, FEATURES, HIDDEN, CLASSES = 256, 8, 16, 3
 EPOCHS = 2
 SGD_LR, MOMENTUM, ADAM_LR = 0.05, 0.9, 0.01
+LR = {"sgd": SGD_LR, "adam": ADAM_LR}
+
+# The Torch and Keras Estimators' cases, one fit each (a fit costs ~15-20 s); the
+# run()-based tests cover the full matrix and fp16 (the estimator hands
+# gradient_compression to the same DistributedOptimizer). Adam at bpps 1 and the scaled
+# rate; SGD with momentum at bpps 2 and the rate as given: SGD's step is proportional to
+# the gradient, so how the accumulated gradients are combined shows (Adam's normalised
+# step would hide a factor on them).
+ESTIMATOR_CASES = {
+    "adam_scaled_lr": {"opt": "adam", "bpps": 1, "fp16": False, "scale": True},
+    "sgd_momentum_bpps2_lr_as_given": {"opt": "sgd", "bpps": 2, "fp16": False,
+                                       "scale": False},
+}
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "HVD_SPARK_TIMEOUT": "120", "OMP_NUM_THREADS": "1"}
 
 Weights = list[np.ndarray]

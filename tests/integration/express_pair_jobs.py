@@ -62,7 +62,7 @@ def _counters(engine, before: tuple[int, int]) -> dict:
 def _engine():
     from hvd_spark.collectives import api
 
-    return api._engine
+    return api.current_engine()
 
 
 def express_rounds(count: int, slow_rank: int | None = None, delay_s: float = 0.0) -> dict:

@@ -295,7 +295,7 @@ def stress(seed: int, threads: int, steps: int) -> None:
     threads at once, then single-threaded again; counters and cross-rank bits checked."""
     hvd.init()
     r, size = hvd.rank(), hvd.size()
-    engine = api._engine
+    engine = api.current_engine()
     ck = Checker(r, size, engine.eager_bytes)
     slow_rank = seed % size
     timeline = os.environ.get("EXPRESS_STRESS_TIMELINE")

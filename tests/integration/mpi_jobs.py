@@ -79,7 +79,7 @@ def cached_rank_dies() -> None:
     hvd.init()
     for _ in range(20):
         hvd.allreduce(np.ones(256, np.float32), name="warm", op=ops.Sum)
-    assert api._engine.cached_rounds >= 10, api._engine.cached_rounds
+    assert api.current_engine().cached_rounds >= 10, api.current_engine().cached_rounds
     print(f"[cache warm on rank {hvd.rank()}]", flush=True)
     if hvd.rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # mid-step: rank 0 is in its next round
@@ -195,7 +195,7 @@ def response_cache() -> None:
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api._engine
+    engine = api.current_engine()
     inputs = lambda seed, shape, dtype: [  # noqa: E731 - every rank's input, known to all
         np.random.default_rng(seed * 100 + q).standard_normal(shape).astype(dtype)
         for q in range(n)]
@@ -270,7 +270,7 @@ def express() -> None:
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api._engine
+    engine = api.current_engine()
     inputs = lambda seed, shape, dtype: [  # noqa: E731 - every rank's input, known to all
         np.asarray(np.random.default_rng(seed * 100 + q).standard_normal(shape) * 4).astype(dtype)
         for q in range(n)]

@@ -33,7 +33,7 @@ def grouped_results(steps: int) -> dict:
     each rank got, and how many tensors the engine ran (the packed ones count once)."""
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api._engine
+    engine = api.current_engine()
     out: dict = {"rank": r, "size": n, "runs": []}
     for step in range(steps):
         for op, pre, post in [(hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 0.5),
@@ -157,7 +157,7 @@ def uncopied_large_tensors() -> dict:
     that joined contributes zeros to a group it never called."""
     hvd.init()
     r = hvd.rank()
-    engine = api._engine
+    engine = api.current_engine()
     base = np.arange(120000, dtype=np.float32).reshape(400, 300) * (r + 1)
     read_only = np.full(30000, r + 1.0, np.float32)
     read_only.flags.writeable = False

@@ -111,7 +111,7 @@ def threaded_steps(seed: int, threads: int, steps: int, slow_rank: int | None = 
 
     hvd.init()
     r = hvd.rank()
-    engine = api._engine
+    engine = api.current_engine()
     plan = plan_threads(seed, threads, steps)
     results: dict[int, list] = {}
     before = engine.paired
@@ -265,7 +265,7 @@ def process_sets_mixed(seed: int, steps: int) -> dict:
 
     hvd.init()
     r = hvd.rank()
-    engine = api._engine
+    engine = api.current_engine()
     sets = [hvd.add_process_set([0]), hvd.add_process_set([1])]
     jitter = random.Random(seed * 31 + r)
     before = engine.paired
@@ -288,3 +288,56 @@ def process_sets_mixed(seed: int, steps: int) -> dict:
     paired = engine.paired - before
     hvd.shutdown()
     return {"steps": steps_out, "paired": paired}
+
+
+def opposite_orders_and_late_halves(steps: int = 30) -> dict:
+    """The same three small allreduces every step, submitted in opposite orders on the
+    ranks (each must pair); a pairable and an unpairable half of one name; then a lone
+    allreduce whose half comes 0.3 s late from rank 1, then from rank 0 (the early half
+    waits for it and still pairs).
+
+    Returns:
+        {"steps": per step the three results, "paired": pairs decided in the steps,
+        "mixed": (error text, seconds) per mixed case, "late1", "late0": the late
+        allreduces' results, "paired_late": their pairs}
+    """
+    from hvd_spark.collectives import api
+
+    hvd.init()
+    r = hvd.rank()
+    engine = api.current_engine()
+    names = ["loss", "acc", "count"]
+    before = engine.paired
+    out: dict = {"steps": []}
+    for step in range(steps):
+        order = names if (r + step) % 2 == 0 else names[::-1]
+        handles = {nm: hvd.allreduce_async(np.array([step * 10.0 + names.index(nm) + r]),
+                                           name=nm, op=hvd.Sum) for nm in order}
+        out["steps"].append([float(hvd.synchronize(handles[nm])[0]) for nm in names])
+    out["paired"] = engine.paired - before
+    # One rank's tensor rides along, the other's is too large to even alone: both fail
+    # alike; then rank 1's unpairable request reaches rank 0 first (rank 0 must not pair
+    # its own).
+    limit_rows = engine.lone_eager_bytes // 8
+    for small, late in ((0, None), (1, None), (0, 0)):
+        rows = 2 if r == small else limit_rows + 1
+        if r == late:
+            time.sleep(0.3)
+        start = time.monotonic()
+        try:
+            hvd.allreduce(np.ones(rows), name=f"mixed{small}.{late}")
+            text = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test compares the messages
+            text = f"{type(exc).__name__}: {exc}"
+        out.setdefault("mixed", []).append((text, time.monotonic() - start))
+    before = engine.paired
+    out["warm"] = hvd.allreduce(np.ones(2) * (r + 1), op=hvd.Sum).tolist()
+    if r == 1:
+        time.sleep(0.3)  # rank 0's request waits for rank 1's
+    out["late1"] = hvd.allreduce(np.array([r + 1.0]), name="late1", op=hvd.Sum).tolist()
+    if r == 0:
+        time.sleep(0.3)  # rank 0 holds rank 1's request until it asks too
+    out["late0"] = hvd.allreduce(np.array([r + 2.0]), name="late0", op=hvd.Sum).tolist()
+    out["paired_late"] = engine.paired - before
+    hvd.shutdown()
+    return out

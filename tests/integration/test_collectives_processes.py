@@ -14,7 +14,7 @@ import pytest
 from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.runner import run_local
-from hvd_spark.runner.local_launcher import rank_env
+from hvd_spark.runner.local.local_launcher import rank_env
 from tests.integration import collective_jobs as jobs
 
 
@@ -51,26 +51,6 @@ def test_eager_small_allreduces_match_numpy_and_agree_bitwise(num_proc):
         # Everything small above went eager (tensors submitted together fuse into one
         # eager response): 5 ops + 8 + at least 1 for the orders + 3 + 1 + at least 4.
         assert out["eager_count"] >= 22
-
-
-def test_two_ranks_decide_small_allreduces_alone_and_fall_back_to_rank_0():
-    results = run_local(jobs.paired_decisions, num_proc=2)
-    for r, out in enumerate(results):
-        assert out["steps"] == [[20.0 * s + 2 * i + 1 for i in range(3)] for s in range(30)]
-        assert out["paired"] == 90, f"rank {r} went through rank 0"
-        for small in (0, 1):  # the same shape error on both ranks, named
-            assert "mixed" + str(small) in out[f"mixed{small}"]
-            assert "shape" in out[f"mixed{small}"]
-        assert "shape" in out["mixed_late"] and out["mixed_late_s"] < 5
-        assert out["after"] == [3.0, 3.0]
-        assert out["late1"] == [3.0] and out["late0"] == [5.0]
-        assert out["paired_again"] == 3
-        assert out["set"] == [r + 1.0] * 2 and out["set_paired"] == 0
-        assert out["last_joined"] in (0, 1)
-        assert out["after_join"] == [3.0]
-    assert results[0]["mixed0"] == results[1]["mixed0"]
-    assert results[0]["mixed1"] == results[1]["mixed1"]
-    assert results[0]["joined"] == [[5.0, 5.0]] * 3
 
 
 def test_held_requests_leave_together_and_carry_their_inputs():

@@ -39,6 +39,7 @@ def mtimes(store, spec):
     return {f: os.stat(os.path.join(base, f)).st_mtime_ns for f in files}
 
 
+@pytest.mark.smoke
 def test_types_validation_column_cache_and_read_back(df, tmp_path):
     store = Store.create(str(tmp_path))
     spec = fit(df, store, validation="is_val", partitions_per_process=2)

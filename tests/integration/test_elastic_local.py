@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from hvd_spark.errors import WorkerFailedError
-from hvd_spark.runner.elastic_local import run_elastic_local
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.elastic.elastic_local import run_elastic_local
+from hvd_spark.runner.local.local_launcher import run_local
 from tests.integration import collective_jobs as jobs
 
 JOB = str(Path(__file__).with_name("elastic_torch_job.py"))

@@ -22,30 +22,12 @@ import hvd_spark.tensorflow as hvd
 from hvd_spark.estimator import KerasEstimator
 from tests.integration import equivalence_jobs as jobs
 
-LR = {"sgd": jobs.SGD_LR, "adam": jobs.ADAM_LR}
-
-# One fit each (a fit costs ~15-20 s); the run()-based tests cover the full matrix and fp16
-# (the estimator hands gradient_compression to the same DistributedOptimizer). Adam at
-# bpps 1 and the scaled rate; SGD with momentum at bpps 2 and the rate as given: SGD's
-# step is proportional to the gradient, so how the accumulated gradients are combined
-# shows (Adam's normalised step would hide a factor on them).
-CASES = {
-    "adam_scaled_lr": {"opt": "adam", "bpps": 1, "fp16": False, "scale": True},
-    "sgd_momentum_bpps2_lr_as_given": {"opt": "sgd", "bpps": 2, "fp16": False,
-                                       "scale": False},
-}
-
-
-@pytest.fixture(scope="module")
-def frame(spark):
-    """The equivalence dataset as a DataFrame: ``features`` array<float>, ``label`` long."""
-    x, y = jobs.dataset()
-    rows = [(a.tolist(), int(b)) for a, b in zip(x, y)]
-    return spark.createDataFrame(rows, "features array<float>, label long")
+LR = jobs.LR
+CASES = jobs.ESTIMATOR_CASES
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def fitted(request, frame, tmp_path_factory) -> dict:
+def fitted(request, equivalence_frame, tmp_path_factory) -> dict:
     """One KerasEstimator fit of a case: its initial and final weights, the batches the
     ranks trained on, and the plain run's final weights on them."""
     case = CASES[request.param]
@@ -61,7 +43,7 @@ def fitted(request, frame, tmp_path_factory) -> dict:
         gradient_compression=hvd.Compression.fp16 if case["fp16"] else None,
         transformation_fn=jobs.BatchRecorder(str(recorded)),
         store=str(tmp_path_factory.mktemp("store")))
-    final = [np.asarray(w) for w in est.fit(frame).getModel().get_weights()]
+    final = [np.asarray(w) for w in est.fit(equivalence_frame).getModel().get_weights()]
     steps = jobs.EPOCHS * jobs.ROWS // (jobs.N * jobs.BATCH)
     batches = jobs.recorded_global_batches(str(recorded), jobs.N, steps, "features", "label")
     lr = LR[case["opt"]] * (jobs.N if case["scale"] else 1)

@@ -28,7 +28,7 @@ from tests.integration import equivalence_jobs as jobs
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not on the workers' path
 
-LR = {"sgd": jobs.SGD_LR, "adam": jobs.ADAM_LR}
+LR = jobs.LR
 
 # One fit each (a fit costs ~20 s); the run()-based tests cover the full matrix. fp16 here
 # too: the strategy averages after every backward pass, so with accumulation the
@@ -85,16 +85,8 @@ def _plain_lightning(module: MLP, batches: list[tuple[np.ndarray, np.ndarray]]) 
     return jobs.torch_weights(module)
 
 
-@pytest.fixture(scope="module")
-def frame(spark):
-    """The equivalence dataset as a DataFrame: ``features`` array<float>, ``label`` long."""
-    x, y = jobs.dataset()
-    rows = [(a.tolist(), int(b)) for a, b in zip(x, y)]
-    return spark.createDataFrame(rows, "features array<float>, label long")
-
-
 @pytest.fixture(scope="module", params=list(CASES))
-def fitted(request, frame, tmp_path_factory) -> dict:
+def fitted(request, equivalence_frame, tmp_path_factory) -> dict:
     """One LightningEstimator fit of a case: its initial and final weights, the batches the
     ranks trained on, and the plain Trainer's final weights on them."""
     case = CASES[request.param]
@@ -108,7 +100,7 @@ def fitted(request, frame, tmp_path_factory) -> dict:
         gradient_compression=hvd.Compression.fp16 if case["fp16"] else None,
         transformation_fn=jobs.BatchRecorder(str(recorded)),
         store=str(tmp_path_factory.mktemp("store")))
-    final = jobs.torch_weights(est.fit(frame).getModel())
+    final = jobs.torch_weights(est.fit(equivalence_frame).getModel())
     steps = jobs.EPOCHS * jobs.ROWS // (jobs.N * jobs.BATCH)
     batches = jobs.recorded_global_batches(str(recorded), jobs.N, steps, "features", "label")
     init = jobs.torch_weights(initial)

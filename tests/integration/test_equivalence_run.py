@@ -19,10 +19,10 @@ import tensorflow  # noqa: F401 - CI installs it: never a skip
 import torch  # noqa: F401 - CI installs it: never a skip
 
 import hvd_spark
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.local.local_launcher import run_local
 from tests.integration import equivalence_jobs as jobs
 
-LR = {"sgd": jobs.SGD_LR, "adam": jobs.ADAM_LR}
+LR = jobs.LR
 
 
 def _case(opt: str, bpps: int = 1, fp16: bool = False, average: bool = False) -> dict:
@@ -71,6 +71,7 @@ def _global(bpps: int) -> list[tuple[np.ndarray, np.ndarray]]:
     return list(jobs.global_batches(x, y, jobs.N * jobs.BATCH * bpps, jobs.EPOCHS))
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", list(TORCH_CASES))
 def test_torch_distributed_optimizer_matches_plain_torch(name: str, torch_results) -> None:
     case = TORCH_CASES[name]

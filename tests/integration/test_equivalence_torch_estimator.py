@@ -19,30 +19,12 @@ import hvd_spark.torch as hvd
 from hvd_spark.estimator import TorchEstimator
 from tests.integration import equivalence_jobs as jobs
 
-LR = {"sgd": jobs.SGD_LR, "adam": jobs.ADAM_LR}
-
-# One fit each (a fit costs ~15-20 s); the run()-based tests cover the full matrix and fp16
-# (the estimator hands gradient_compression to the same DistributedOptimizer). Adam at
-# bpps 1 and the scaled rate; SGD with momentum at bpps 2 and the rate as given: SGD's
-# step is proportional to the gradient, so how the accumulated gradients are combined
-# shows (Adam's normalised step would hide a factor on them).
-CASES = {
-    "adam_scaled_lr": {"opt": "adam", "bpps": 1, "fp16": False, "scale": True},
-    "sgd_momentum_bpps2_lr_as_given": {"opt": "sgd", "bpps": 2, "fp16": False,
-                                       "scale": False},
-}
-
-
-@pytest.fixture(scope="module")
-def frame(spark):
-    """The equivalence dataset as a DataFrame: ``features`` array<float>, ``label`` long."""
-    x, y = jobs.dataset()
-    rows = [(a.tolist(), int(b)) for a, b in zip(x, y)]
-    return spark.createDataFrame(rows, "features array<float>, label long")
+LR = jobs.LR
+CASES = jobs.ESTIMATOR_CASES
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def fitted(request, frame, tmp_path_factory) -> dict:
+def fitted(request, equivalence_frame, tmp_path_factory) -> dict:
     """One TorchEstimator fit of a case: its initial and final weights, the batches the
     ranks trained on, and the plain run's final weights on them."""
     case = CASES[request.param]
@@ -58,7 +40,7 @@ def fitted(request, frame, tmp_path_factory) -> dict:
         gradient_compression=hvd.Compression.fp16 if case["fp16"] else None,
         transformation_fn=jobs.BatchRecorder(str(recorded)),
         store=str(tmp_path_factory.mktemp("store")))
-    trained = est.fit(frame).getModel()
+    trained = est.fit(equivalence_frame).getModel()
     steps = jobs.EPOCHS * jobs.ROWS // (jobs.N * jobs.BATCH)
     batches = jobs.recorded_global_batches(str(recorded), jobs.N, steps, "features", "label")
     init = jobs.torch_weights(initial)
@@ -81,7 +63,7 @@ def test_torch_estimator_matches_plain_torch(fitted) -> None:
     result.check(jobs.tolerance(case["opt"], lr, case["fp16"]), f"TorchEstimator {name}")
 
 
-def test_an_epoch_ending_inside_an_accumulation_steps_on_it(frame, tmp_path) -> None:
+def test_an_epoch_ending_inside_an_accumulation_steps_on_it(equivalence_frame, tmp_path) -> None:
     """3 steps an epoch with backward_passes_per_step=2: each epoch steps after batches 2
     and 3 (the last on half an accumulation, as Lightning does) and the next epoch starts a
     new accumulation. This fit failed in its second epoch before ("computed more than
@@ -98,7 +80,7 @@ def test_an_epoch_ending_inside_an_accumulation_steps_on_it(frame, tmp_path) -> 
         scale_learning_rate=False, transformation_fn=jobs.BatchRecorder(str(tmp_path / "b")),
         store=str(tmp_path / "store"))
     (tmp_path / "b").mkdir()
-    trained = est.fit(frame).getModel()
+    trained = est.fit(equivalence_frame).getModel()
     batches = jobs.recorded_global_batches(str(tmp_path / "b"), jobs.N, 6, "features", "label")
     # Per epoch: one step on batches 1-2 (their mean), one on batch 3 at half weight (its
     # loss was divided by 2 and nothing was added to it).

@@ -43,6 +43,7 @@ def _nothing_written(tmp_path) -> bool:
     return not any(p.is_file() for p in store.rglob("*")) if store.exists() else True
 
 
+@pytest.mark.smoke
 def test_a_float_label_for_cross_entropy_fails_before_any_data_is_written(frame, tmp_path):
     started = time.monotonic()
     with pytest.raises(ConfigError) as got:

@@ -133,6 +133,7 @@ def cv_fit(frame, tmp_path_factory):
     return cv_model, est, adam, meetings, messages.lines, root
 
 
+@pytest.mark.smoke
 def test_cross_validator_fits_two_param_maps_at_once(cv_fit):
     cv_model, *_, meetings, _, _ = cv_fit
     met = sorted(p.name for p in meetings.glob("met_*"))

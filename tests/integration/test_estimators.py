@@ -65,6 +65,7 @@ def torch_fit(frames, tmp_path_factory):
     return est, est.fit(train)
 
 
+@pytest.mark.smoke
 def test_torch_learns_and_transform_schema(torch_fit, frames):
     _, model = torch_fit
     _, test, _ = frames
@@ -322,7 +323,7 @@ def test_torch_fit_on_parquet_the_user_wrote_to_the_train_path(frames, tmp_path)
 
 def test_torch_trains_through_a_custom_backend(frames, tmp_path):
     from hvd_spark.runner.backend import Backend
-    from hvd_spark.runner.local_launcher import run_local
+    from hvd_spark.runner.local.local_launcher import run_local
 
     class LocalBackend(Backend):  # Horovod's seam: training runs where the backend says
         def __init__(self, num_proc):

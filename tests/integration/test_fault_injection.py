@@ -17,7 +17,7 @@ import time
 import pytest
 
 from hvd_spark.collectives.tcp.store import StoreServer
-from hvd_spark.runner.local_launcher import rank_env
+from hvd_spark.runner.local.local_launcher import rank_env
 
 _RANK_SCRIPT = textwrap.dedent("""
     import os, sys, time

@@ -144,6 +144,7 @@ def test_checkpoint_callback_kept_the_epoch_it_monitors(fitted):
     assert not all(np.allclose(a, b) for a, b in zip(got, per_epoch[1 - chosen], strict=True))
 
 
+@pytest.mark.smoke
 def test_transform_matches_the_keras_model_and_beats_chance(fitted, predictions, spark):
     model, _, unseen = fitted
     got = predictions

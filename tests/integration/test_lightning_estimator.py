@@ -53,6 +53,7 @@ def _estimator(tmp_path, **overrides):
     return LightningEstimator(**kwargs)
 
 
+@pytest.mark.smoke
 def test_lightning_resumes_by_run_id_and_saves(frame, tmp_path):
     first = _estimator(tmp_path, run_id="lit").fit(frame)
     second = _estimator(tmp_path, run_id="lit", epochs=3).fit(frame)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import lightning  # noqa: F401 - CI installs it: never a skip
 
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.local.local_launcher import run_local
 
 
 def _train(accumulate: int) -> dict:

@@ -64,6 +64,7 @@ def _check_epoch(results: list[dict]) -> None:
     assert {r["rank"] for r in results} == set(range(RANKS))
 
 
+@pytest.mark.smoke
 def test_torch_loaders_on_two_ranks(converter):
     assert len(converter) == ROWS and converter.columns == ["id", "features", "scale", "label"]
 

@@ -14,19 +14,6 @@ import numpy as np
 import pytest
 
 
-@pytest.fixture
-def client(tmp_path, monkeypatch):
-    """An MlflowClient on a fresh sqlite store; the process's tracking URI restored after."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.chdir(tmp_path)  # the store's default artifact root is ./mlruns
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # set_tracking_uri writes it: undone after
-    mlflow.set_tracking_uri(uri)
-    yield mlflow.MlflowClient(uri)
-    while mlflow.active_run() is not None:
-        mlflow.end_run()
-    mlflow.set_tracking_uri(None)
-
-
 @pytest.fixture(scope="module")
 def df(spark):
     rng = np.random.default_rng(7)
@@ -52,13 +39,14 @@ def _estimator(tmp_path, **overrides):
     return TorchEstimator(**kwargs)
 
 
+@pytest.mark.smoke
 def test_fit_in_a_run_logs_params_metrics_tags_logs_and_a_servable_model(
-        spark, df, client, tmp_path):
+        spark, df, mlflow_client, tmp_path):
     est = _estimator(tmp_path)
     with mlflow.start_run() as run:
         model = est.fit(df)
     run_id = run.info.run_id
-    data = client.get_run(run_id).data
+    data = mlflow_client.get_run(run_id).data
 
     params = data.params
     assert params["optimizer"] == "SGD"
@@ -73,15 +61,15 @@ def test_fit_in_a_run_logs_params_metrics_tags_logs_and_a_servable_model(
     assert not any(v.startswith("<") or "object at 0x" in v for v in params.values())
 
     for name in ("loss", "val_loss"):
-        history = client.get_metric_history(run_id, name)
+        history = mlflow_client.get_metric_history(run_id, name)
         assert [m.step for m in history] == [1, 2], name
-    losses = [m.value for m in client.get_metric_history(run_id, "loss")]
+    losses = [m.value for m in mlflow_client.get_metric_history(run_id, "loss")]
     assert losses == pytest.approx([r["loss"] for r in model.records])
 
     assert data.tags["hvd_spark.run_id"] == model.getRunId()
     assert data.tags["hvd_spark.estimator"] == "TorchEstimator"
     assert "store" in data.tags["hvd_spark.store"]
-    logs = [f.path for f in client.list_artifacts(run_id, "logs")]
+    logs = [f.path for f in mlflow_client.list_artifacts(run_id, "logs")]
     assert any("tfevents" in p for p in logs), logs
 
     uri = f"runs:/{run_id}/model"
@@ -100,7 +88,7 @@ def test_fit_in_a_run_logs_params_metrics_tags_logs_and_a_servable_model(
     np.testing.assert_allclose(served, expected, atol=1e-6)
 
 
-def test_train_validation_split_nests_one_child_run_per_param_map(df, client, tmp_path):
+def test_train_validation_split_nests_one_child_run_per_param_map(df, mlflow_client, tmp_path):
     from pyspark.ml.evaluation import RegressionEvaluator
     from pyspark.ml.tuning import ParamGridBuilder, TrainValidationSplit
 
@@ -112,17 +100,17 @@ def test_train_validation_split_nests_one_child_run_per_param_map(df, client, tm
     with mlflow.start_run() as parent:
         tuned = tvs.fit(df)
 
-    children = client.search_runs(
+    children = mlflow_client.search_runs(
         [parent.info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert sorted(c.data.params["batch_size"] for c in children) == ["16", "64"]
     for child in children:
         assert child.info.status == "FINISHED"
-        assert [m.step for m in client.get_metric_history(child.info.run_id, "loss")] == [1]
-        assert client.list_artifacts(child.info.run_id, "model")
+        assert [m.step for m in mlflow_client.get_metric_history(child.info.run_id, "loss")] == [1]
+        assert mlflow_client.list_artifacts(child.info.run_id, "model")
     # Spark ML refits the best map on all rows with a plain fit: in the tuning run itself.
     best = str(tuned.bestModel.getOrDefault("batch_size"))
-    assert client.get_run(parent.info.run_id).data.params["batch_size"] == best
+    assert mlflow_client.get_run(parent.info.run_id).data.params["batch_size"] == best
 
 
 def _log_from_rank_zero():
@@ -136,12 +124,12 @@ def _log_from_rank_zero():
     return run_id
 
 
-def test_run_fn_rank_zero_logs_into_the_drivers_run(spark, client):
+def test_run_fn_rank_zero_logs_into_the_drivers_run(spark, mlflow_client):
     import hvd_spark
 
     with mlflow.start_run() as run:
         seen = hvd_spark.run(_log_from_rank_zero, num_proc=2, verbose=0)
     assert seen == [run.info.run_id] * 2
-    [metric] = client.get_metric_history(run.info.run_id, "from_rank_0")
+    [metric] = mlflow_client.get_metric_history(run.info.run_id, "from_rank_0")
     assert (metric.value, metric.step) == (1.5, 3)
-    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    assert mlflow_client.get_run(run.info.run_id).info.status == "FINISHED"

@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from hvd_spark.runner.mpi_launcher import mpirun_command
+import pytest
+
+from hvd_spark.runner.local.mpi_launcher import mpirun_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,6 +28,7 @@ def _hvdrun_mpi(np_: int, case: str, timeout: float = 180, **extra: str):
         capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env(**extra))
 
 
+@pytest.mark.smoke
 def test_every_collective_on_three_mpi_ranks():
     proc = _hvdrun_mpi(3, "every_collective")
     assert proc.returncode == 0, proc.stdout + proc.stderr

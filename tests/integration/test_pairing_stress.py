@@ -1,4 +1,5 @@
-"""Randomized stress of two ranks deciding small allreduces alone (``pairing``).
+"""Two ranks deciding small allreduces alone (``pairing``): the fixed cases, then
+randomized stress. The express path on top of it: test_express_pairs.py.
 
 Real processes and sockets (``run_local``). Every result is checked against numpy and
 bitwise across the ranks; a split decision (one rank alone, the other waiting for rank
@@ -36,6 +37,20 @@ def _check_threaded(results: list[dict], seed: int, threads: int, steps: int) ->
                 np.testing.assert_array_equal(got[0], want, err_msg=where)
                 assert got[0].dtype == want.dtype, where
                 assert got[0].tobytes() == got[1].tobytes(), f"ranks differ: {where}"
+
+
+def test_small_allreduces_pair_in_any_order_and_an_early_half_waits_for_the_late_one():
+    outs = run_local(jobs.opposite_orders_and_late_halves, args=(30,), num_proc=2, env=ENV)
+    for r, out in enumerate(outs):
+        assert out["steps"] == [[20.0 * s + 2 * i + 1 for i in range(3)] for s in range(30)]
+        assert out["paired"] == 90, f"rank {r} went through rank 0"
+        for (text, seconds), name in zip(out["mixed"], ["mixed0.None", "mixed1.None",
+                                                         "mixed0.0"]):
+            assert name in text and "shape" in text and seconds < 5, (r, text, seconds)
+        assert out["warm"] == [3.0, 3.0]
+        assert out["late1"] == [3.0] and out["late0"] == [5.0]
+        assert out["paired_late"] == 3, f"rank {r}"
+    assert [t for t, _ in outs[0]["mixed"]] == [t for t, _ in outs[1]["mixed"]]
 
 
 @pytest.mark.parametrize("seed,slow_rank", [(1, None), (2, 0), (3, 1)])

@@ -23,6 +23,7 @@ def _send_events():
     return sent, steps
 
 
+@pytest.mark.smoke
 def test_events_reach_the_driver_sink_with_their_rank(spark):
     events = []
     results = hvd_spark.run(_send_events, num_proc=2, progress=lambda r, e: events.append((r, e)))

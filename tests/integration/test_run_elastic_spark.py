@@ -76,6 +76,7 @@ def _train() -> tuple[int, int, int, float]:
     return count_steps(STEPS, commit_every=5, pause_s=0.05, tag=f"executor {_executor_pid()}")
 
 
+@pytest.mark.smoke
 def test_an_executor_killed_mid_training_does_not_end_the_run(spark_three_executors,
                                                              monkeypatch):
     monkeypatch.setenv("HVD_SPARK_HEARTBEAT_S", "3")

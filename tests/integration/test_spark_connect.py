@@ -12,8 +12,8 @@ import pytest
 
 import hvd_spark
 from hvd_spark.errors import WorkerFailedError
-from hvd_spark.runner import spark_launcher
-from hvd_spark.runner.connect import ConnectContext
+from hvd_spark.runner.spark import spark_launcher
+from hvd_spark.runner.spark.connect import ConnectContext
 from tests.integration.connect_server import ConnectServer
 from tests.integration.elastic_jobs import count_steps
 
@@ -75,6 +75,7 @@ def test_the_launcher_reads_a_connect_session(connect):
         spark_launcher.check_cluster(context, 3)
 
 
+@pytest.mark.smoke
 def test_run_over_connect(connect):
     out = io.StringIO()
     results = hvd_spark.run(_allreduce, args=(10,), num_proc=2, stdout=out)

@@ -19,31 +19,28 @@ from __future__ import annotations
 import collections
 import io
 import os
-import stat
 import sys
 
+import cloudpickle
 import pyspark  # noqa: F401 - CI installs it: never a skip
 import pytest
 
 import hvd_spark
+from tests import fake_gpus
+from tests.fake_gpus import FakeCuda, write_script
 
-_DISCOVERY = "#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\"]}'\n"
+# The executors cannot import tests: the probe ships FakeCuda by value.
+cloudpickle.register_pickle_by_value(fake_gpus)
 # The Python worker runs in its executor's work directory, named by the executor's id.
 _PYTHON = '#!/bin/sh\nHVD_SPARK_HOSTNAME="host-$(basename "$PWD")" exec {python} "$@"\n'
-
-
-def _script(path, text: str) -> str:
-    path.write_text(text)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return str(path)
 
 
 def _gpu_session(master: str, amount: str, tmp):
     """A session on ``master`` whose executors discover GPUs 0 and 1, ``amount`` per task."""
     from pyspark.sql import SparkSession
 
-    discovery = _script(tmp / "discover_gpus.sh", _DISCOVERY)
-    python = _script(tmp / "python.sh", _PYTHON.format(python=sys.executable))
+    discovery = write_script(tmp / "discover_gpus.sh")
+    python = write_script(tmp / "python.sh", _PYTHON.format(python=sys.executable))
     active = SparkSession.getActiveSession()
     if active is not None:  # its configuration cannot change: start one of our own
         active.stop()
@@ -104,30 +101,15 @@ def _device_probe():
 
         visible = [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d]
 
-        class FakeCuda:  # CUDA over the visible devices: index i is address visible[i]
-            def __init__(self):
-                self.current = None
-
-            def is_available(self):
-                return bool(visible)
-
-            def device_count(self):
-                return len(visible)
-
-            def set_device(self, index):
-                if not 0 <= index < len(visible):
-                    raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
-                self.current = visible[index]
-
         hvd.init()
         try:
-            cuda = FakeCuda()
+            cuda = FakeCuda(visible)  # CUDA over the visible devices
             try:
                 cuda.set_device(hvd.local_rank())  # Horovod's idiom, verbatim
                 idiom = cuda.current
             except RuntimeError as exc:
                 idiom = str(exc)
-            fake_torch = types.SimpleNamespace(cuda=FakeCuda(), device=lambda *a: a,
+            fake_torch = types.SimpleNamespace(cuda=FakeCuda(visible), device=lambda *a: a,
                                                __version__="fake", version=None)
             training_device(True, hvd.local_rank(), fake_torch)
             shown = []
@@ -154,6 +136,7 @@ def _by_host(results: list[dict]) -> dict[str, list[dict]]:
     return hosts
 
 
+@pytest.mark.smoke
 def test_one_gpu_per_rank_is_device_local_rank_on_two_hosts(whole_gpus):
     results = hvd_spark.run(_device_probe(), num_proc=4, stdout=io.StringIO())
     hosts = _by_host(results)

@@ -51,6 +51,7 @@ def _world_and_sum():
             hvd.cross_size(), total.tolist())
 
 
+@pytest.mark.smoke
 def test_results_in_rank_order_with_collectives(spark):
     results = hvd_spark.run(_world_and_sum, num_proc=2, stdout=io.StringIO())
     assert results == [

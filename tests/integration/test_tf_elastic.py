@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from hvd_spark.runner.elastic_local import run_elastic_local
+from hvd_spark.runner.elastic.elastic_local import run_elastic_local
 
 _ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
 

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import tensorflow  # noqa: F401 - CI installs it: never a skip
 
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.local.local_launcher import run_local
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "HVD_SPARK_TIMEOUT": "40"}
 N_OPS = 24

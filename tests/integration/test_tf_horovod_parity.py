@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow  # noqa: F401 - CI installs it: never a skip
 
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.local.local_launcher import run_local
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "HVD_SPARK_TIMEOUT": "60"}
 

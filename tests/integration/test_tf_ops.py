@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow  # noqa: F401 - CI installs it: never a skip
 
-from hvd_spark.runner.local_launcher import run_local  # noqa: E402
+from hvd_spark.runner.local.local_launcher import run_local  # noqa: E402
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "HVD_SPARK_TIMEOUT": "60"}
 

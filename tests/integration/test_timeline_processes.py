@@ -2,35 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 from hvd_spark.runner import run_local
-
-
-def _load(path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _rows(events: list[dict]) -> dict[str, int]:
-    return {e["args"]["name"]: e["pid"] for e in events
-            if e["ph"] == "M" and e["name"] == "process_name" and e["pid"] != 0}
-
-
-def _phases(events: list[dict], pid: int) -> list[tuple[str, str | None]]:
-    return [(e["ph"], e.get("name")) for e in events if e["pid"] == pid and e["ph"] != "M"]
-
-
-def _assert_paired(events: list[dict]) -> None:
-    stacks: dict[int, list[str]] = {}
-    for e in events:
-        if e["ph"] == "B":
-            stacks.setdefault(e["pid"], []).append(e["name"])
-        elif e["ph"] == "E":
-            assert stacks.get(e["pid"]), f"end without begin: {e}"
-            stacks[e["pid"]].pop()
-    assert all(not s for s in stacks.values()), stacks
+from tests import timeline_events as te
 
 
 def _known_run(steps: int) -> int:
@@ -55,13 +30,13 @@ def test_horovod_timeline_variable_records_a_known_run(tmp_path):
     env = {"HOROVOD_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": "1",
            "HVD_SPARK_EAGER_BYTES": "0"}
     assert run_local(_known_run, args=(3,), num_proc=2, env=env) == [0, 1]
-    events = _load(path)
-    _assert_paired(events)
+    events = te.load(path)
+    te.assert_well_formed(events, ordered=False)
     header = next(e for e in events if e["pid"] == 0 and e["ph"] == "M")
     assert abs(header["args"]["start_time_since_epoch_in_micros"] / 1e6 - time.time()) < 600
-    rows = _rows(events)
+    rows = te.rows(events)
     assert {"allreduce.test_allreduce", "allgather.gathered", "broadcast.weights"} <= set(rows)
-    phases = _phases(events, rows["allreduce.test_allreduce"])
+    phases = te.phases(events, rows["allreduce.test_allreduce"])
     begins = [name for ph, name in phases if ph == "B"]
     assert begins.count("NEGOTIATE_ALLREDUCE") == 3 and begins.count("ALLREDUCE") == 3
     assert ("X", "1") in phases  # rank 1's request reached the coordinator
@@ -69,14 +44,14 @@ def test_horovod_timeline_variable_records_a_known_run(tmp_path):
     # Each allreduce: its negotiation ends before its operation begins.
     first_op = begins.index("ALLREDUCE")
     assert begins[:first_op] == ["NEGOTIATE_ALLREDUCE"]
-    gather = [name for ph, name in _phases(events, rows["allgather.gathered"]) if ph == "B"]
+    gather = [name for ph, name in te.phases(events, rows["allgather.gathered"]) if ph == "B"]
     assert gather[:2] == ["NEGOTIATE_ALLGATHER", "ALLGATHER"]
     assert any(e["ph"] == "i" and e["name"] == "CYCLE_START" for e in events)
-    packed = [name for ph, name in _phases(events, rows["allreduce.group.packed"]) if ph == "B"]
+    packed = [name for ph, name in te.phases(events, rows["allreduce.group.packed"]) if ph == "B"]
     assert packed[:2] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"] and "RING_ALLREDUCE" in packed
     assert "allreduce.group.0" not in rows  # its small tensors travelled packed
     for member in ("allreduce.fused.0", "allreduce.fused.1"):
-        fused = [name for ph, name in _phases(events, rows[member]) if ph == "B"]
+        fused = [name for ph, name in te.phases(events, rows[member]) if ph == "B"]
         assert fused[:2] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"]
         assert fused.index("MEMCPY_IN_FUSION_BUFFER") < fused.index("RING_ALLREDUCE") < (
             fused.index("MEMCPY_OUT_FUSION_BUFFER"))
@@ -86,11 +61,11 @@ def test_timeline_shows_small_allreduces_reduced_during_negotiation(tmp_path):
     path = tmp_path / "timeline.json"
     assert run_local(_known_run, args=(2,), num_proc=2,
                      env={"HOROVOD_TIMELINE": str(path)}) == [0, 1]
-    events = _load(path)
-    _assert_paired(events)
-    rows = _rows(events)
+    events = te.load(path)
+    te.assert_well_formed(events, ordered=False)
+    rows = te.rows(events)
     for row in ("allreduce.test_allreduce", "allreduce.group.packed", "allreduce.fused.0"):
-        begins = [name for ph, name in _phases(events, rows[row]) if ph == "B"]
+        begins = [name for ph, name in te.phases(events, rows[row]) if ph == "B"]
         assert "EAGER_ALLREDUCE" in begins and "RING_ALLREDUCE" not in begins, begins
 
 
@@ -113,13 +88,13 @@ def test_start_and_stop_timeline_switch_files(tmp_path):
     first, second = tmp_path / "1.json", tmp_path / "2.json"
     run_local(_dynamic, args=(str(first), str(second)), num_proc=2,
               env={"HOROVOD_TIMELINE": "DYNAMIC"})
-    one, two = _load(first), _load(second)
-    _assert_paired(one)
-    _assert_paired(two)
+    one, two = te.load(first), te.load(second)
+    te.assert_well_formed(one, ordered=False)
+    te.assert_well_formed(two, ordered=False)
     # Rank 1 may submit the next tensor before rank 0 switches files: a row of the next
     # call may start in the earlier file (as in Horovod), never one of an earlier call.
-    assert "allreduce.test_allreduce" in _rows(one)
-    assert not {"allreduce.before", "allreduce.after"} & set(_rows(one))
-    assert "allreduce.second" in _rows(two)
-    assert not {"allreduce.before", "allreduce.test_allreduce"} & set(_rows(two))
+    assert "allreduce.test_allreduce" in te.rows(one)
+    assert not {"allreduce.before", "allreduce.after"} & set(te.rows(one))
+    assert "allreduce.second" in te.rows(two)
+    assert not {"allreduce.before", "allreduce.test_allreduce"} & set(te.rows(two))
     assert not any(e["ph"] == "i" for e in two)

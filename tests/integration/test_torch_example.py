@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch  # noqa: F401 - CI installs it: never a skip
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.smoke
 def test_example_trains_under_hvdrun():
     proc = subprocess.run(
         [sys.executable, "-m", "hvd_spark.runner", "-np", "2", "--timeout", "120",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch  # CI installs it: a missing package is a failure, not a skip
 
-from hvd_spark.runner.local_launcher import run_local
+from hvd_spark.runner.local.local_launcher import run_local
 
 
 def _group(rank: int) -> list[torch.Tensor]:
@@ -28,7 +28,7 @@ def _grouped_one_request() -> dict:
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api._engine
+    engine = api.current_engine()
     mine, others = _group(r), [_group(k) for k in range(n)]
     originals = [t.detach().clone() for t in mine]
     before = engine.executed_tensors

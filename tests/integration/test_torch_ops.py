@@ -6,7 +6,7 @@ import pytest
 import torch  # CI installs it: a missing package is a failure, not a skip
 
 from hvd_spark.errors import WorkerFailedError  # noqa: E402
-from hvd_spark.runner.local_launcher import run_local  # noqa: E402
+from hvd_spark.runner.local.local_launcher import run_local  # noqa: E402
 
 
 def _collectives() -> None:
@@ -85,7 +85,7 @@ def _synchronous_paths() -> None:
 
     hvd.init()
     r = hvd.rank()
-    engine = api._engine
+    engine = api.current_engine()
     big = torch.full((32 * 1024,), float(r + 1))  # 128 KB: over the asynchronous limit
     before = engine.paired
     assert torch.equal(hvd.allreduce(big, op=hvd.Sum), torch.full_like(big, 3.0))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch  # noqa: F401 - CI installs it: never a skip
 
-from hvd_spark.runner.local_launcher import run_local  # noqa: E402
+from hvd_spark.runner.local.local_launcher import run_local  # noqa: E402
 from tests.integration import torch_training_cases as cases  # noqa: E402
 
 

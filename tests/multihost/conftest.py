@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from hvd_spark.bench import netns_hosts, netns_services
+from netns_cluster import hosts as netns_hosts
+from netns_cluster import services as netns_services
 
 # .ci/run sets it: there, a machine without namespaces is a failure, not a skip.
 REQUIRED = "HVD_TESTS_MULTIHOST"

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from hvd_spark.bench import netns_hosts
-from hvd_spark.bench.netns_hosts import LinkShape, NetnsHosts
+from netns_cluster import hosts as netns_hosts
+from netns_cluster.hosts import LinkShape, NetnsHosts
 from tests.multihost.conftest import require_namespaces
 
 

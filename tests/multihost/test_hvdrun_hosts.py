@@ -12,8 +12,9 @@ import time
 
 import pytest
 
-from hvd_spark.bench import netns_hosts, netns_services
-from hvd_spark.runner.ssh_launcher import SSH_OPTS
+from hvd_spark.runner.local.ssh_launcher import SSH_OPTS
+from netns_cluster import hosts as netns_hosts
+from netns_cluster import services as netns_services
 from tests.multihost.conftest import require_namespaces
 
 _SCRIPT = textwrap.dedent("""
@@ -26,7 +27,7 @@ _SCRIPT = textwrap.dedent("""
     hvd.init()
     r = hvd.rank()
     total = hvd.allreduce(np.full(1 << 18, float(r + 1)), op=hvd.Sum)
-    peers = sorted(link.sock.getpeername()[0] for link in api._engine.comm.links.values()
+    peers = sorted(link.sock.getpeername()[0] for link in api.current_engine().comm.links.values()
                    if isinstance(link, TcpLink))
     print("RESULT", r, hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
           hvd.cross_size(), socket.gethostname(), float(total[0]), float(total[-1]),

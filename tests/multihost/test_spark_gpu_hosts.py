@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import io
-import stat
 import sys
 
 import cloudpickle
@@ -22,22 +21,21 @@ import pyspark  # noqa: F401 - CI installs it: never a skip
 import pytest
 
 import hvd_spark
-from hvd_spark.bench import netns_services
+from netns_cluster import services as netns_services
+from tests import fake_gpus
+from tests.fake_gpus import FakeCuda, write_script
 from tests.multihost.conftest import require_namespaces
 
-# The executors cannot import this test module: ship its functions by value.
+# The executors cannot import this test module or tests.fake_gpus: ship them by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-_DISCOVERY = "#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\"]}'\n"
+cloudpickle.register_pickle_by_value(fake_gpus)
 
 
 @pytest.fixture(scope="module")
 def gpu_hosts(tmp_path_factory):
     """``(hosts, spark)``: 2 namespace hosts, each a worker with 2 cores and GPUs 0 and 1."""
     require_namespaces()
-    script = tmp_path_factory.mktemp("gpu-hosts") / "discover_gpus.sh"
-    script.write_text(_DISCOVERY)
-    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    script = write_script(tmp_path_factory.mktemp("gpu-hosts") / "discover_gpus.sh")
     worker = {"spark.worker.resource.gpu.amount": "2",
               "spark.worker.resource.gpu.discoveryScript": str(script)}
     app = {"spark.executor.resource.gpu.amount": "2",
@@ -56,17 +54,9 @@ def _probe() -> dict:
 
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
 
-    class FakeCuda:  # CUDA over the visible devices: device i is address visible[i]
-        current = None
-
-        def set_device(self, index: int) -> None:
-            if not 0 <= index < len(visible):
-                raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
-            self.current = visible[index]
-
     hvd.init()
     try:
-        cuda = FakeCuda()
+        cuda = FakeCuda(visible)  # CUDA over the visible devices
         try:
             cuda.set_device(hvd.local_rank())  # Horovod's idiom, verbatim
             idiom = cuda.current

@@ -32,7 +32,7 @@ def _placement():
     from hvd_spark.collectives.tcp.links import TcpLink
 
     hvd.init()
-    comm = api._engine.comm
+    comm = api.current_engine().comm
     tcp_peers = sorted(p for p, link in comm.links.items() if isinstance(link, TcpLink))
     addrs = sorted({comm.links[p].sock.getpeername()[0] for p in tcp_peers})
     return {"addrs": addrs, "rank": hvd.rank(), "size": hvd.size(),
@@ -157,7 +157,7 @@ def _peer_addresses():
     from hvd_spark.collectives.tcp.links import TcpLink
 
     hvd.init()
-    links = api._engine.comm.links.values()
+    links = api.current_engine().comm.links.values()
     return sorted(link.sock.getpeername()[0] for link in links if isinstance(link, TcpLink))
 
 

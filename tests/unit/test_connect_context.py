@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from hvd_spark.runner.connect import ConnectContext, is_connect, route_address
+from hvd_spark.runner.spark.connect import ConnectContext, is_connect, route_address
 
 
 class _Conf:

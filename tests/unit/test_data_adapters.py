@@ -1,4 +1,5 @@
-"""as_torch / as_tf_dataset, and importing the data layer loads no framework or pyspark."""
+"""as_torch / as_tf_dataset (in the bindings), and importing the data layer loads no
+framework or pyspark."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def reader(tmp_path):
 
 
 def test_importing_the_data_layer_loads_no_framework_or_spark():
-    code = ("import sys, hvd_spark.data, hvd_spark.data.adapters; "
+    code = ("import sys, hvd_spark.data, hvd_spark.data.converter; "
             "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'pyspark') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -34,7 +35,7 @@ def test_importing_the_data_layer_loads_no_framework_or_spark():
 def test_as_torch(reader):
     import torch  # CI installs it: a missing package is a failure, not a skip
 
-    from hvd_spark.data import as_torch
+    from hvd_spark.torch.data import as_torch
 
     batches = list(as_torch(reader.epoch(0)))
     assert len(batches) == 3
@@ -45,7 +46,7 @@ def test_as_torch(reader):
 def test_as_tf_dataset(reader):
     import tensorflow as tf  # CI installs it: never a skip
 
-    from hvd_spark.data import as_tf_dataset
+    from hvd_spark.tensorflow.data import as_tf_dataset
 
     dataset = as_tf_dataset(reader, epoch=0)
     assert dataset.element_spec["v"].shape == (8, 3)
@@ -53,3 +54,12 @@ def test_as_tf_dataset(reader):
     ids = [int(x) for batch in dataset for x in batch["id"].numpy()]
     assert ids == list(range(24))
     assert dataset.element_spec["id"].dtype == tf.int64
+
+
+def test_the_moved_names_say_where_they_went():
+    import hvd_spark.data
+
+    with pytest.raises(AttributeError, match=r"hvd_spark\.torch\.data\.as_torch"):
+        hvd_spark.data.as_torch  # noqa: B018 - the attribute access is the test
+    with pytest.raises(AttributeError, match=r"hvd_spark\.tensorflow\.data\.as_tf_dataset"):
+        hvd_spark.data.as_tf_dataset  # noqa: B018

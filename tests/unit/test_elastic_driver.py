@@ -8,7 +8,7 @@ import time
 import pytest
 
 from hvd_spark.errors import ConfigError, ElasticJobError
-from hvd_spark.runner.elastic_driver import ElasticDriver, ElasticSettings
+from hvd_spark.runner.elastic.elastic_driver import ElasticDriver, ElasticSettings
 
 
 def _settings(**kw) -> ElasticSettings:

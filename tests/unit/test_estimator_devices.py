@@ -13,6 +13,7 @@ from hvd_spark import _env
 from hvd_spark.estimator import devices
 from hvd_spark.estimator.keras_worker import place_keras
 from hvd_spark.estimator.torch_worker import training_device
+from tests.fake_gpus import FakeCuda
 
 
 def test_training_device_without_a_gpu_falls_back_to_the_cpu(caplog):
@@ -51,26 +52,8 @@ def test_place_keras_shows_one_gpu_or_none():
     assert none.visible == ([], "GPU") and none.growth == []
 
 
-class _FakeCuda:
-    """torch.cuda over ``count`` devices: set_device refuses an index CUDA would refuse."""
-
-    def __init__(self, count: int) -> None:
-        self.count, self.current = count, None
-
-    def is_available(self) -> bool:
-        return self.count > 0
-
-    def device_count(self) -> int:
-        return self.count
-
-    def set_device(self, index: int) -> None:
-        if not 0 <= index < self.count:
-            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
-        self.current = index
-
-
 def _fake_torch(count: int) -> types.SimpleNamespace:
-    return types.SimpleNamespace(device=torch.device, cuda=_FakeCuda(count), __version__="x",
+    return types.SimpleNamespace(device=torch.device, cuda=FakeCuda(range(count)), __version__="x",
                                  version=types.SimpleNamespace(cuda="12"))
 
 

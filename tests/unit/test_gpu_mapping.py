@@ -9,12 +9,12 @@ import threading
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
-from hvd_spark.runner.driver_service import REGISTER, DriverService
-from hvd_spark.runner.elastic_task import ElasticTaskSpec, worker_env
+from hvd_spark.runner.elastic.elastic_task import ElasticTaskSpec, worker_env
 from hvd_spark.runner.gpu_mapping import host_gpu_order, index_in_visible, place_gpus
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.rendezvous import TaskSlot, assign_ranks
-from hvd_spark.runner.spark_task import TaskSpec, child_env, rank_gpus
+from hvd_spark.runner.spark.driver_service import REGISTER, DriverService
+from hvd_spark.runner.spark.spark_task import TaskSpec, child_env, rank_gpus
 
 
 def _placed(tasks: list[tuple[str, list[str]]]):

@@ -261,8 +261,9 @@ def test_tensorflow_kernels_wait_for_the_runtime_to_start():
     # A fresh process: reductions before any TensorFlow op leave its runtime alone, so the
     # user can still configure its thread pools (and, on a GPU build, its devices).
     code = (
-        "import numpy as np, tensorflow as tf, hvd_spark.tensorflow\n"
+        "import numpy as np, tensorflow as tf, hvd_spark.tensorflow as hvd\n"
         "from hvd_spark.collectives import ops\n"
+        "hvd.init()\n"  # registers the kernels, and must not start the runtime either
         "from hvd_spark.tensorflow import half_kernels as k\n"
         "a = np.ones(1 << 16, np.float16)\n"
         "before = k.reduce(a, a.copy(), ops.Sum, a)\n"
@@ -270,7 +271,8 @@ def test_tensorflow_kernels_wait_for_the_runtime_to_start():
         "tf.config.threading.set_inter_op_parallelism_threads(1)\n"
         "tf.constant(1.0).numpy()\n"
         "after = k.reduce(a, a.copy(), ops.Sum, a)\n"
-        "print(ops.half_kernels_name(), before, after, float(a[0]))\n")
+        "print(ops.half_kernels_name(), before, after, float(a[0]))\n"
+        "hvd.shutdown()\n")
     assert _printed_by(code) == ["tensorflow", "False", "True", "2.0"]
 
 
@@ -300,10 +302,13 @@ def test_a_kernel_may_decline_and_numpy_takes_over():
     assert calls == [("reduce", (20,), True, 1), ("scale", (20,), 2.0)]
 
 
-def test_importing_the_torch_binding_registers_its_kernels():
-    code = ("from hvd_spark.collectives import ops; a = ops.half_kernels_name(); "
-            "import hvd_spark.torch; print(a, ops.half_kernels_name())")
-    assert _printed_by(code) == ["numpy", "torch"]
+def test_the_torch_bindings_init_registers_its_kernels_importing_does_not():
+    code = ("from hvd_spark.collectives import ops; import hvd_spark.torch as hvd; "
+            "a = ops.half_kernels_name(); hvd.init(); b = ops.half_kernels_name(); "
+            "ops.register_half_kernels(None); hvd.init(); "
+            "print(a, b, ops.half_kernels_name()); hvd.shutdown()")
+    # Once per process: a second init leaves the choice made since alone.
+    assert _printed_by(code) == ["numpy", "torch", "numpy"]
     import hvd_spark.torch.half_kernels as half_kernels
 
     previous = ops.register_half_kernels(None)
@@ -316,15 +321,25 @@ def test_importing_the_torch_binding_registers_its_kernels():
         ops.register_half_kernels(previous)
 
 
-def test_importing_the_tensorflow_binding_registers_its_kernels_unless_torch_did():
-    code = ("import sys; from hvd_spark.collectives import ops; a = ops.half_kernels_name(); "
-            "import hvd_spark.tensorflow; b = ops.half_kernels_name(); "
-            "import hvd_spark.torch; c = ops.half_kernels_name(); "
+def test_the_tensorflow_bindings_init_registers_its_kernels_unless_torch_did():
+    code = ("import sys; from hvd_spark.collectives import ops; "
+            "import hvd_spark.tensorflow as tf_hvd, hvd_spark.torch as torch_hvd; "
+            "a = ops.half_kernels_name(); "
+            "tf_hvd.init(); b = ops.half_kernels_name(); "
+            "torch_hvd.init(); c = ops.half_kernels_name(); "
             "ops.register_half_kernels(None); import hvd_spark.tensorflow.half_kernels as k; "
             "ops.register_half_kernels(ops.HalfKernels('other', None, None)); k.register(); "
             "d = ops.half_kernels_name(); k.unregister(); print(a, b, c, d, "
-            "ops.half_kernels_name())")
+            "ops.half_kernels_name()); tf_hvd.shutdown()")
     assert _printed_by(code) == ["numpy", "tensorflow", "torch", "other", "other"]
+
+
+def test_torch_first_then_tensorflow_keeps_torchs_kernels():
+    code = ("from hvd_spark.collectives import ops; "
+            "import hvd_spark.torch as torch_hvd, hvd_spark.tensorflow as tf_hvd; "
+            "torch_hvd.init(); tf_hvd.init(); print(ops.half_kernels_name()); "
+            "torch_hvd.shutdown()")
+    assert _printed_by(code) == ["torch"]
 
 
 def test_float32_path_unchanged():

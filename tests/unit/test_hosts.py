@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import hosts
-from hvd_spark.runner.hosts import HostSlots
-from hvd_spark.runner.ssh_launcher import forwarded_env, ssh_argv
+from hvd_spark.runner.local import hosts
+from hvd_spark.runner.local.hosts import HostSlots
+from hvd_spark.runner.local.ssh_launcher import forwarded_env, ssh_argv
 
 
 def test_parse_hosts():
@@ -60,7 +60,7 @@ def test_ssh_never_prompts_and_secrets_are_not_forwarded(monkeypatch):
 def test_hosts_with_mpi_or_elastic_options_are_refused():
     import argparse
 
-    from hvd_spark.runner.ssh_launcher import host_slots_from
+    from hvd_spark.runner.local.ssh_launcher import host_slots_from
 
     base = {"hosts": "a:1", "hostfile": None, "mpi": False, "elastic": False}
     assert host_slots_from(argparse.Namespace(**base)) == [HostSlots("a", 1)]

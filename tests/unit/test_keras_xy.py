@@ -9,11 +9,11 @@ import numpy as np
 import pyarrow as pa
 
 from hvd_spark.estimator import transform
-from hvd_spark.estimator.keras_worker import _xy
+from hvd_spark.estimator.keras_worker import batch_xy
 
 
 def _dataset(features: list[str], labels: list[str], weight: str | None = None):
-    # _xy reads only the column names of the DatasetSpec.
+    # batch_xy reads only the column names of the DatasetSpec.
     return SimpleNamespace(feature_cols=tuple(features), label_cols=tuple(labels),
                            sample_weight_col=weight)
 
@@ -31,7 +31,7 @@ def _batch(rows: int = 4) -> dict[str, np.ndarray]:
 
 
 def test_several_feature_columns_become_a_tuple_in_column_order():
-    x, y = _xy(_batch(), _dataset(["cat", "price", "vec"], ["y"]),
+    x, y = batch_xy(_batch(), _dataset(["cat", "price", "vec"], ["y"]),
                [(1,), (1,), (3,)], [(1,)])
     # A list here makes Keras 3's generator adapter fail (output_signature must be TypeSpecs).
     assert type(x) is tuple and len(x) == 3
@@ -41,20 +41,20 @@ def test_several_feature_columns_become_a_tuple_in_column_order():
 
 
 def test_integer_columns_keep_their_dtype_and_floats_become_float32():
-    x, _ = _xy(_batch(), _dataset(["cat", "cat32", "price", "vec"], ["y"]),
+    x, _ = batch_xy(_batch(), _dataset(["cat", "cat32", "price", "vec"], ["y"]),
                [(1,), (), (1,), (3,)], [(1,)])
     assert [a.dtype for a in x] == [np.int64, np.int32, np.float32, np.float32]
     assert x[1].shape == (4,), "a () input shape leaves the scalar column flat"
 
 
 def test_one_feature_column_stays_one_array():
-    x, y = _xy(_batch(), _dataset(["vec"], ["y"]), [(3,)], [(1,)])
+    x, y = batch_xy(_batch(), _dataset(["vec"], ["y"]), [(3,)], [(1,)])
     assert isinstance(x, np.ndarray) and x.shape == (4, 3)
     assert isinstance(y, np.ndarray)
 
 
 def test_several_label_columns_become_a_tuple_and_the_weight_comes_third():
-    out = _xy(_batch(), _dataset(["cat", "vec"], ["y", "y2"], "w"), [(1,), (3,)],
+    out = batch_xy(_batch(), _dataset(["cat", "vec"], ["y", "y2"], "w"), [(1,), (3,)],
               [(1,), (1,)])
     assert len(out) == 3
     x, y, w = out
@@ -66,7 +66,7 @@ def test_several_label_columns_become_a_tuple_and_the_weight_comes_third():
 def test_columns_beyond_the_models_shapes_are_not_dropped():
     # A model with fewer inputs than feature columns must fail in Keras, naming the
     # mismatch, rather than silently train on the first columns only.
-    x, _ = _xy(_batch(), _dataset(["cat", "price", "vec"], ["y"]), [(1,)], [(1,)])
+    x, _ = batch_xy(_batch(), _dataset(["cat", "price", "vec"], ["y"]), [(1,)], [(1,)])
     assert len(x) == 3 and x[2].shape == (4, 3)
 
 

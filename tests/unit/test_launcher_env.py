@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 
 from hvd_spark import _env
-from hvd_spark.runner.local_launcher import rank_env
+from hvd_spark.runner.local.local_launcher import rank_env
 from hvd_spark.runner.rendezvous import TaskSlot, assign_ranks
-from hvd_spark.runner.spark_task import TaskSpec, child_env
+from hvd_spark.runner.spark.spark_task import TaskSpec, child_env
 
 
 def test_rank_variables_under_every_name():

@@ -18,19 +18,6 @@ from hvd_spark.estimator.tracking_params import estimator_params
 from hvd_spark.runner import mlflow_env
 
 
-@pytest.fixture
-def client(tmp_path, monkeypatch):
-    """An MlflowClient on a fresh sqlite store; the process's tracking URI restored after."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.chdir(tmp_path)  # the store's default artifact root is ./mlruns
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # set_tracking_uri writes it: undone after
-    mlflow.set_tracking_uri(uri)
-    yield mlflow.MlflowClient(uri)
-    while mlflow.active_run() is not None:
-        mlflow.end_run()
-    mlflow.set_tracking_uri(None)
-
-
 def _estimator(**overrides):
     import torch
 
@@ -45,41 +32,41 @@ def _estimator(**overrides):
     return TorchEstimator(**kwargs)
 
 
-def _all_runs(client) -> list:
-    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+def _all_runs(mlflow_client) -> list:
+    return mlflow_client.search_runs([e.experiment_id for e in mlflow_client.search_experiments()])
 
 
-def test_no_run_and_no_autolog_logs_nothing_and_the_fit_goes_on(client, monkeypatch):
+def test_no_run_and_no_autolog_logs_nothing_and_the_fit_goes_on(mlflow_client, monkeypatch):
     est = _estimator()
     monkeypatch.setattr(est, "_fit", lambda df: "the model")
     assert est.fit("a DataFrame") == "the model"
     assert tracking.begin(est) is None
     with mlflow.start_run():
         assert tracking.begin(_estimator(mlflow=False)) is None
-    assert [r.data.params for r in _all_runs(client)] == [{}]  # only the run started above
+    assert [r.data.params for r in _all_runs(mlflow_client)] == [{}]  # only the run started above
 
 
-def test_mlflow_true_starts_a_run_of_its_own_and_ends_it(client):
+def test_mlflow_true_starts_a_run_of_its_own_and_ends_it(mlflow_client):
     with tracking.fit_tracking(_estimator(mlflow=True)) as tracked:
         assert tracked.own and mlflow.active_run().info.run_id == tracked.run_id
     assert mlflow.active_run() is None
-    run = client.get_run(tracked.run_id)
+    run = mlflow_client.get_run(tracked.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["hvd_spark.estimator"] == "TorchEstimator"
     assert run.data.params["optimizer"] == "Adam"
 
 
-def test_a_failed_fit_fails_its_own_run_and_an_active_run_is_left_open(client):
+def test_a_failed_fit_fails_its_own_run_and_an_active_run_is_left_open(mlflow_client):
     with pytest.raises(RuntimeError), tracking.fit_tracking(_estimator(mlflow=True)) as tracked:
         raise RuntimeError("rank 1 died")
-    assert client.get_run(tracked.run_id).info.status == "FAILED"
+    assert mlflow_client.get_run(tracked.run_id).info.status == "FAILED"
     with mlflow.start_run() as run:
         with tracking.fit_tracking(_estimator()) as inner:
             assert inner.run_id == run.info.run_id and not inner.own
         assert mlflow.active_run().info.run_id == run.info.run_id
 
 
-def test_autolog_makes_a_fit_start_its_own_run(client):
+def test_autolog_makes_a_fit_start_its_own_run(mlflow_client):
     import mlflow.pyspark.ml
 
     mlflow.pyspark.ml.autolog(log_models=False, silent=True)
@@ -108,7 +95,7 @@ def test_params_are_readable_names_and_values():
     assert "mlflow" not in params and "backend" not in params  # None: not logged
 
 
-def test_driver_env_names_the_active_run_with_an_absolute_store(client, tmp_path,
+def test_driver_env_names_the_active_run_with_an_absolute_store(mlflow_client, tmp_path,
                                                                  monkeypatch):
     assert mlflow_env.driver_env() == {"MLFLOW_TRACKING_URI": mlflow.get_tracking_uri()}
     with mlflow.start_run() as run:
@@ -123,10 +110,10 @@ def test_driver_env_names_the_active_run_with_an_absolute_store(client, tmp_path
     assert mlflow_env.absolute_tracking_uri("databricks") == "databricks"
 
 
-def test_lightning_mlflow_logger_nests_under_the_drivers_run(client, monkeypatch):
+def test_lightning_mlflow_logger_nests_under_the_drivers_run(mlflow_client, monkeypatch):
     from lightning.pytorch.loggers import MLFlowLogger
 
-    experiment = client.create_experiment("notebook")
+    experiment = mlflow_client.create_experiment("notebook")
     with mlflow.start_run(experiment_id=experiment) as parent:
         env = mlflow_env.driver_env()
     for key, value in env.items():
@@ -134,7 +121,7 @@ def test_lightning_mlflow_logger_nests_under_the_drivers_run(client, monkeypatch
     logger = MLFlowLogger(tracking_uri=mlflow.get_tracking_uri())
     nest_mlflow_logger([logger])
     logger.log_metrics({"train_loss": 0.5}, step=1)
-    child = client.get_run(logger.run_id)
+    child = mlflow_client.get_run(logger.run_id)
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert child.info.experiment_id == experiment
     assert child.data.metrics == {"train_loss": 0.5}

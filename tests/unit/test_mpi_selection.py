@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hvd_spark.collectives import registry
-from hvd_spark.runner import mpi_launcher
+from hvd_spark.runner.local import mpi_launcher
 from hvd_spark.runner.output import OutputForwarder
 
 _MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")

@@ -11,10 +11,10 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner.driver_service import REGISTER, DriverService
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.rendezvous import TaskSlot, assign_ranks
-from hvd_spark.runner.spark_task import TaskSpec, child_env
+from hvd_spark.runner.spark.driver_service import REGISTER, DriverService
+from hvd_spark.runner.spark.spark_task import TaskSpec, child_env
 
 
 def _table(slots):

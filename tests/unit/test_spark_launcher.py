@@ -7,7 +7,7 @@ import types
 import pytest
 
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import spark_launcher, spark_task
+from hvd_spark.runner.spark import spark_launcher, spark_task
 
 
 class _Conf:

@@ -12,8 +12,8 @@ import pytest
 import hvd_spark
 from hvd_spark import _env
 from hvd_spark.runner.rendezvous import TaskSlot, assign_ranks
-from hvd_spark.runner.spark_task import TaskSpec, child_env
-from hvd_spark.runner.task_process import task_gpu_addresses
+from hvd_spark.runner.spark.spark_task import TaskSpec, child_env
+from hvd_spark.runner.spark.task_process import task_gpu_addresses
 from hvd_spark.task import device_index, get_available_devices
 
 

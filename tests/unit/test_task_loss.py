@@ -7,7 +7,7 @@ import pickle
 from hvd_spark.errors import WorkerFailedError
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.rendezvous import TaskSlot, assign_ranks
-from hvd_spark.runner.task_loss import lost_task_failures, read_verdict
+from hvd_spark.runner.spark.task_loss import lost_task_failures, read_verdict
 
 # The shape of what collect() raises when an executor dies under a barrier stage.
 _EXECUTOR_LOST = (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -12,38 +11,7 @@ import pytest
 
 from hvd_spark.collectives import timeline as tl
 from hvd_spark.errors import ConfigError
-
-
-def _load(path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _rows(events: list[dict]) -> dict[str, int]:
-    """Row name -> pid, from the process_name metadata (pid 0 is the header row)."""
-    return {e["args"]["name"]: e["pid"] for e in events
-            if e["ph"] == "M" and e["name"] == "process_name" and e["pid"] != 0}
-
-
-def _phases(events: list[dict], pid: int) -> list[tuple[str, str | None]]:
-    return [(e["ph"], e.get("name")) for e in events if e["pid"] == pid and e["ph"] != "M"]
-
-
-def _assert_well_formed(events: list[dict]) -> None:
-    """Begin/end events pair up (nesting) per row and time never goes back."""
-    stacks: dict[int, list[str]] = {}
-    last_ts: dict[int, int] = {}
-    for e in events:
-        if e["ph"] == "M":
-            continue
-        assert isinstance(e["ts"], int) and e["ts"] >= last_ts.get(e["pid"], 0), e
-        last_ts[e["pid"]] = e["ts"]
-        if e["ph"] == "B":
-            stacks.setdefault(e["pid"], []).append(e["name"])
-        elif e["ph"] == "E":
-            assert stacks.get(e["pid"]), f"end without begin on row {e['pid']}"
-            stacks[e["pid"]].pop()
-    assert all(not s for s in stacks.values()), f"unclosed phases: {stacks}"
+from tests import timeline_events as te
 
 
 def test_known_sequence_gives_horovods_rows_and_phases(tmp_path):
@@ -68,13 +36,13 @@ def test_known_sequence_gives_horovods_rows_and_phases(tmp_path):
         t.negotiate_end("obj")
         t.start("obj", "broadcast")
         t.end("obj")
-    events = _load(path)
-    _assert_well_formed(events)
+    events = te.load(path)
+    te.assert_well_formed(events)
 
     header = [e for e in events if e["pid"] == 0 and e["ph"] == "M"]
     assert "start_time_since_epoch_in_micros" in header[0]["args"]
     assert abs(header[0]["args"]["start_time_since_epoch_in_micros"] / 1e6 - time.time()) < 60
-    rows = _rows(events)
+    rows = te.rows(events)
     assert rows == {"grad.a": 1, "grad.b": 2, "obj": 3}
     sort = {e["pid"]: e["args"]["sort_index"] for e in events
             if e.get("name") == "process_sort_index"}
@@ -84,10 +52,10 @@ def test_known_sequence_gives_horovods_rows_and_phases(tmp_path):
           ("B", "QUEUE"), ("E", None), ("B", "MEMCPY_IN_FUSION_BUFFER"), ("E", None),
           ("B", "RING_ALLREDUCE"), ("E", None), ("B", "MEMCPY_OUT_FUSION_BUFFER"), ("E", None),
           ("E", None)]
-    assert _phases(events, 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("X", "0"), ("X", "1"),
+    assert te.phases(events, 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("X", "0"), ("X", "1"),
                                   ("E", None), *op]
-    assert _phases(events, 2) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None), *op]
-    assert _phases(events, 3) == [("B", "NEGOTIATE_BROADCAST"), ("E", None),
+    assert te.phases(events, 2) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None), *op]
+    assert te.phases(events, 3) == [("B", "NEGOTIATE_BROADCAST"), ("E", None),
                                   ("B", "BROADCAST"), ("E", None)]
 
     ends = [e for e in events if e["pid"] == 1 and e["ph"] == "E"]
@@ -105,9 +73,9 @@ def test_names_with_quotes_and_unicode_are_escaped(tmp_path):
     with tl.Timeline(str(path)) as t:
         t.negotiate_start(name, "allgather")
         t.negotiate_end(name)
-    events = _load(path)
-    assert _rows(events) == {name: 1}
-    assert _phases(events, 1) == [("B", "NEGOTIATE_ALLGATHER"), ("E", None)]
+    events = te.load(path)
+    assert te.rows(events) == {name: 1}
+    assert te.phases(events, 1) == [("B", "NEGOTIATE_ALLGATHER"), ("E", None)]
 
 
 def test_cycles_not_marked_unless_asked(tmp_path):
@@ -115,9 +83,9 @@ def test_cycles_not_marked_unless_asked(tmp_path):
     with tl.Timeline(str(path), mark_cycles=False) as t:
         t.mark_cycle()
         t.negotiate_start("x", "allreduce")
-    events = _load(path)
+    events = te.load(path)
     assert not [e for e in events if e["ph"] == "i"]
-    assert _phases(events, 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]  # ended at close
+    assert te.phases(events, 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]  # ended at close
 
 
 def test_out_of_order_reports_still_pair(tmp_path):
@@ -137,14 +105,14 @@ def test_out_of_order_reports_still_pair(tmp_path):
         t.activity_start("b", tl.QUEUE)
         t.activity_end("b")
         t.activity_end("b")                    # no activity open: nothing
-    events = _load(path)
-    _assert_well_formed(events)
-    rows = _rows(events)
-    assert _phases(events, rows["a"]) == [
+    events = te.load(path)
+    te.assert_well_formed(events)
+    rows = te.rows(events)
+    assert te.phases(events, rows["a"]) == [
         ("B", "NEGOTIATE_ALLREDUCE"), ("E", None), ("B", "ALLREDUCE"), ("B", "QUEUE"),
         ("E", None), ("E", None), ("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]
     # "b" was still open at close(): ended there.
-    assert _phases(events, rows["b"]) == [("B", "ALLGATHER"), ("B", "QUEUE"), ("E", None),
+    assert te.phases(events, rows["b"]) == [("B", "ALLGATHER"), ("B", "QUEUE"), ("E", None),
                                           ("E", None)]
 
 
@@ -158,14 +126,14 @@ def test_file_is_valid_json_while_recording(tmp_path):
         while time.monotonic() < deadline and path.stat().st_size == 0:
             time.sleep(0.01)
         time.sleep(0.05)
-        assert _phases(_load(path), 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]
+        assert te.phases(te.load(path), 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]
         t.start("a", "allreduce")
         t.end("a")
         time.sleep(0.1)
-        assert len(_phases(_load(path), 1)) == 4
+        assert len(te.phases(te.load(path), 1)) == 4
     finally:
         t.close()
-    assert len(_phases(_load(path), 1)) == 4
+    assert len(te.phases(te.load(path), 1)) == 4
     assert t.closed
     t.start("a", "allreduce")  # after close: ignored, no error
     t.close()
@@ -174,7 +142,7 @@ def test_file_is_valid_json_while_recording(tmp_path):
 def test_empty_timeline_is_valid_json(tmp_path):
     path = tmp_path / "t.json"
     tl.Timeline(str(path)).close()
-    events = _load(path)
+    events = te.load(path)
     assert [e["name"] for e in events] == ["process_name", "process_sort_index"]
 
 
@@ -199,9 +167,9 @@ def test_threads_recording_at_once(tmp_path):
             th.start()
         for th in threads:
             th.join(60)
-    events = _load(path)
-    _assert_well_formed(events)
-    assert len(_rows(events)) == threads_n * 10
+    events = te.load(path)
+    te.assert_well_formed(events)
+    assert len(te.rows(events)) == threads_n * 10
     assert sum(e["ph"] == "B" for e in events) == threads_n * ops * 4
     assert sum(e["ph"] == "i" for e in events) == threads_n * ops
 
@@ -220,8 +188,8 @@ def test_module_start_and_stop(tmp_path):
     tl.stop_timeline()
     assert tl.current() is None and t2.closed
     tl.stop_timeline()  # stopping twice is fine
-    assert _rows(_load(first)) == {"a": 1}
-    assert _phases(_load(second), 1) == [("B", "BROADCAST"), ("E", None)]
+    assert te.rows(te.load(first)) == {"a": 1}
+    assert te.phases(te.load(second), 1) == [("B", "BROADCAST"), ("E", None)]
 
 
 @pytest.mark.parametrize("bad", ["", None])
@@ -249,9 +217,9 @@ def test_events_written_at_process_exit_without_close(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    events = _load(path)
-    _assert_well_formed(events)
-    assert len(_rows(events)) == 1000
+    events = te.load(path)
+    te.assert_well_formed(events)
+    assert len(te.rows(events)) == 1000
     assert sum(e["ph"] == "E" for e in events) == 2000  # the open ops ended at exit
 
 
@@ -279,7 +247,7 @@ def test_recording_cost_per_call(tmp_path):
           f"(12 events each, fused calls)")
     # The cost is a figure to read, not an assertion (timings on a shared machine vary);
     # what must hold is that every event of every step reached the file.
-    events = _load(tmp_path / "t.json")
+    events = te.load(tmp_path / "t.json")
     starts = [e for e in events if e["ph"] == "B" and e.get("name") == "ALLREDUCE"]
     assert len(starts) == steps * len(names)
-    _assert_well_formed(events)
+    te.assert_well_formed(events)
