@@ -44,6 +44,10 @@ class StoreServer:
         self._handlers = dict(handlers or {})
         self._listener = socket.create_server((host, 0), backlog=128)
         self._closed = False
+        # Connections being served: close() ends them, so no serving thread (and no
+        # socket) outlives the server waiting on a client that will never speak again.
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
         self.rejected_connections = 0
         self._thread = threading.Thread(target=self._accept_loop, name="hvd-store", daemon=True)
         self._thread.start()
@@ -84,6 +88,13 @@ class StoreServer:
             self._listener.close()
         except OSError:
             pass
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # its serving thread sees EOF and closes it
+            except OSError:
+                pass
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -96,6 +107,18 @@ class StoreServer:
             ).start()
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        with self._conns_lock:
+            if self._closed:
+                conn.close()
+                return
+            self._conns.add(conn)
+        try:
+            self._serve_conn(conn, peer)
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+
+    def _serve_conn(self, conn: socket.socket, peer: tuple) -> None:
         with conn:
             try:
                 wire.authenticate_server(conn, self._secret)
