@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import sys
 import time
 import uuid
@@ -112,8 +111,6 @@ class TestLocalLauncher(LauncherContract):
         return lambda: LocalJob(CONFIG)
 
 
-@pytest.mark.skipif(shutil.which("mpirun", path=os.path.dirname(sys.executable)) is None
-                    and shutil.which("mpirun") is None, reason="no mpirun")
 class TestMpiLauncher(LauncherContract):
     @pytest.fixture
     def launcher(self):
