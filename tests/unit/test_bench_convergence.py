@@ -29,8 +29,7 @@ def test_effective_rate_follows_each_estimators_rule():
     plan = Plan(epochs=1, batch_size=64, num_proc=2, lr=0.01, seed=0)
     assert plan.global_batch == 128
     scaled = TorchEstimator()
-    if not scaled.hasParam("scale_learning_rate"):
-        pytest.skip("TorchEstimator has no scale_learning_rate")
+    assert scaled.hasParam("scale_learning_rate")
     assert estimator_lr(scaled, plan) == pytest.approx(0.02)
     assert estimator_lr(TorchEstimator(scale_learning_rate=False), plan) == 0.01
     assert estimator_lr(LightningEstimator(), plan) == 0.01
