@@ -144,7 +144,9 @@ class State:
             ours = _peers_in(sockets, {pid for pid, _ in before.children})
             new_fds = {fd: t for fd, t in new_fds.items() if t not in ours}
         if new_fds:
-            fds = sorted(f"{fd} -> {target}" for fd, target in new_fds.items())
+            table = _tcp_table()
+            fds = sorted(f"{fd} -> {target}{_describe_socket(target, table)}"
+                         for fd, target in new_fds.items())
             problems.append(f"file descriptors still open: {fds}")
         return problems
 
@@ -173,6 +175,16 @@ def _tcp_table() -> dict[int, tuple[str, str]]:
             fields = line.split()
             table[int(fields[9])] = (fields[1].rsplit(":", 1)[1], fields[2].rsplit(":", 1)[1])
     return table
+
+
+def _describe_socket(target: str, table: dict[int, tuple[str, str]]) -> str:
+    """`` (tcp local port L, remote port R)`` for a TCP socket (ports in decimal), else ""."""
+    if not target.startswith("socket:["):
+        return ""
+    ends = table.get(int(target[8:-1]))
+    if ends is None:
+        return " (not TCP)"
+    return f" (tcp local port {int(ends[0], 16)}, remote port {int(ends[1], 16)})"
 
 
 def _socket_inodes(pids: set[int]) -> set[int]:

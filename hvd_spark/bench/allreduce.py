@@ -4,6 +4,13 @@
 it under ``hvdrun -np N``). Every size is timed for hvd_spark and Gloo alternately in
 the same processes; MPI Allreduce (mpi4py, Open MPI) runs right after under mpirun.
 busbw = 2(N-1)/N x bytes / time, so it is comparable across N.
+
+The limit column is this machine's memory bound for the work, measured in the same
+processes right after each size: every rank at once runs a STREAM-style add over a
+message-sized buffer (read two buffers, write one: ``np.add(a, b, out=c)``), and the
+limit is the busbw an allreduce would reach if it cost exactly that one add. An
+allreduce cannot do less per rank: each element of the result is read from two inputs
+and written once. ``x limit`` is our fraction of it.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ def rank_main(opts: dict) -> dict | None:
         row["hvd"] = time_loop(
             lambda arr=arr: hvd.allreduce_(arr, name="bench.a", op=hvd.Sum),
             iters, hvd.barrier, reduce_max)
+        row["limit"] = _stream_add(count, iters, hvd.barrier, reduce_max)
         if gloo is not None:
             torch, dist = gloo
             tensor = torch.zeros(count, dtype=torch.float32)
@@ -94,6 +102,13 @@ def rank_main(opts: dict) -> dict | None:
     if gloo is not None:
         gloo[1].destroy_process_group()
     return {"size": n, "rows": rows, "resnet": resnet} if hvd.rank() == 0 else None
+
+
+def _stream_add(count: int, iters: int, barrier, reduce_max) -> float:
+    """Seconds per STREAM-style add of ``count`` float32 on every rank at once (slowest)."""
+    a, b = np.ones(count, np.float32), np.ones(count, np.float32)
+    c = np.empty(count, np.float32)
+    return time_loop(lambda: np.add(a, b, out=c), iters, barrier, reduce_max)
 
 
 def _resnet_case(hvd, gloo, reduce_max) -> dict:
@@ -198,17 +213,21 @@ def format_table(result: dict, mpi_rows: list[dict], mpi_desc: str) -> str:
     n = result["size"]
     mpi = {r["bytes"]: r["mpi"] for r in mpi_rows}
     head = (f"{'size':>8} {'count':>10} {'time(us)':>10} {'algbw':>7} {'busbw':>7} |"
+            f" {'limit':>7} {'x limit':>7} |"
             f" {'gloo busbw':>10} {'x gloo':>7} | {'mpi busbw':>9} {'x mpi':>6}")
-    lines = [f"hvd_spark allreduce: {n} ranks, float32 Sum in place, GB/s; {mpi_desc}", head]
+    lines = [f"hvd_spark allreduce: {n} ranks, float32 Sum in place, GB/s; {mpi_desc}",
+             "limit: busbw at the cost of one STREAM add (a+b->c) per rank, all ranks at once",
+             head]
     for row in result["rows"]:
         b, t = row["bytes"], row["hvd"]
         bus = busbw(b, t, n)
         gloo = row.get("gloo")
         gbus = busbw(b, gloo, n) if gloo else math.nan
         mbus = busbw(b, mpi[b], n) if b in mpi else math.nan
+        limit = busbw(b, row["limit"], n) if "limit" in row else math.nan
         lines.append(
             f"{human_size(b):>8} {row['count']:>10} {t * 1e6:>10.1f} {b / t / 1e9:>7.2f}"
-            f" {bus:>7.2f} |"
+            f" {bus:>7.2f} | {limit:>7.2f} {bus / limit:>7.2f} |"
             f" {gbus:>10.2f} {bus / gbus:>7.2f} | {mbus:>9.2f} {bus / mbus:>6.2f}")
     res = result.get("resnet")
     if res:
