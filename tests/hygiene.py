@@ -144,7 +144,7 @@ class State:
             ours = _peers_in(sockets, {pid for pid, _ in before.children})
             new_fds = {fd: t for fd, t in new_fds.items() if t not in ours}
         if new_fds:
-            table = _tcp_table()
+            table = _tcp_rows()
             fds = sorted(f"{fd} -> {target}{_describe_socket(target, table)}"
                          for fd, target in new_fds.items())
             problems.append(f"file descriptors still open: {fds}")
@@ -169,22 +169,54 @@ def _tcp_table() -> dict[int, tuple[str, str]]:
     """``{socket inode: (local port, remote port)}`` of this network namespace's TCP
     sockets. Ports only: a JVM's end of a loopback connection is an IPv6 socket (an
     IPv4-mapped address) while Python's is IPv4."""
+    return {inode: (local, remote) for inode, (local, remote, _) in _tcp_rows().items()}
+
+
+def _tcp_rows() -> dict[int, tuple[str, str, str]]:
+    """``{socket inode: (local port, remote port, state)}``, hex as /proc writes them."""
     table = {}
     for name in ("tcp", "tcp6"):
         for line in _read(_PROC / "self" / "net" / name).splitlines()[1:]:
             fields = line.split()
-            table[int(fields[9])] = (fields[1].rsplit(":", 1)[1], fields[2].rsplit(":", 1)[1])
+            table[int(fields[9])] = (fields[1].rsplit(":", 1)[1], fields[2].rsplit(":", 1)[1],
+                                     fields[3])
     return table
 
 
-def _describe_socket(target: str, table: dict[int, tuple[str, str]]) -> str:
-    """`` (tcp local port L, remote port R)`` for a TCP socket (ports in decimal), else ""."""
+_TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT", "0A": "LISTEN",
+               "04": "FIN_WAIT1", "05": "FIN_WAIT2", "07": "CLOSE", "09": "LAST_ACK"}
+
+
+def _describe_socket(target: str, table: dict[int, tuple[str, str, str]]) -> str:
+    """What a leaked socket is: its TCP ports and state and who holds the other end."""
     if not target.startswith("socket:["):
         return ""
     ends = table.get(int(target[8:-1]))
     if ends is None:
-        return " (not TCP)"
-    return f" (tcp local port {int(ends[0], 16)}, remote port {int(ends[1], 16)})"
+        for line in _read(_PROC / "self" / "net" / "unix").splitlines()[1:]:
+            fields = line.split()
+            if fields[6] == target[8:-1]:
+                return f" (unix socket {fields[7] if len(fields) > 7 else 'unnamed'})"
+        return " (neither TCP nor unix)"
+    local, remote, state = ends
+    text = (f" (tcp local port {int(local, 16)}, remote port {int(remote, 16)},"
+            f" {_TCP_STATES.get(state, state)}")
+    peers = [inode for inode, (l2, r2, _) in table.items() if (l2, r2) == (remote, local)]
+    owners = [_holder(inode) for inode in peers]
+    return text + (f", other end held by {owners})" if owners else ", no other end here)")
+
+
+def _holder(inode: int) -> str:
+    """``pid command`` of the process holding socket ``inode`` (any process), or "?"."""
+    wanted = f"socket:[{inode}]"
+    for link in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            if os.readlink(link) == wanted:
+                pid = link.split("/")[2]
+                return f"{pid} {_read(_PROC / pid / 'cmdline').replace(chr(0), ' ')[:80]}"
+        except OSError:
+            continue
+    return "?"
 
 
 def _socket_inodes(pids: set[int]) -> set[int]:

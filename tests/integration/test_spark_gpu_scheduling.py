@@ -37,6 +37,7 @@ _PYTHON = '#!/bin/sh\nHVD_SPARK_HOSTNAME="host-$(basename "$PWD")" exec {python}
 
 def _gpu_session(master: str, amount: str, tmp):
     """A session on ``master`` whose executors discover GPUs 0 and 1, ``amount`` per task."""
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     discovery = write_script(tmp / "discover_gpus.sh")
@@ -44,6 +45,10 @@ def _gpu_session(master: str, amount: str, tmp):
     active = SparkSession.getActiveSession()
     if active is not None:  # its configuration cannot change: start one of our own
         active.stop()
+    # The JVM keeps the configuration it was launched with as system properties, which
+    # every later SparkConf reads: launched by this session, it would hand its GPU
+    # settings to the next module's plain session (whose tasks then never schedule).
+    SparkContext._ensure_initialized()
     previous = os.environ.get("PYSPARK_PYTHON")
     os.environ["PYSPARK_PYTHON"] = python  # read once, when the context starts
     try:
