@@ -35,6 +35,9 @@ TASK_GPUS = "HVD_SPARK_TASK_GPUS"
 # Set with them when the rank's GPU is known: the CUDA device index of the rank's own GPU
 # under its CUDA_VISIBLE_DEVICES (hvd_spark.task.device_index; the Estimators pin it).
 GPU_INDEX = "HVD_SPARK_GPU_INDEX"
+# Set by hvd_spark.run's Spark tasks, which start the rank's process while they register:
+# the process reads the variables of its rank (rank, host, GPUs) as one JSON line on stdin.
+RANK_ENV_ON_STDIN = "HVD_SPARK_RANK_ENV_ON_STDIN"
 
 # The launcher variables whose absence means "no launcher: a one-rank job".
 LAUNCHER_VARS = (RANK, SIZE, RENDEZVOUS_ADDR, SECRET)

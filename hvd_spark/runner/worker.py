@@ -6,7 +6,9 @@ store, runs it, and reports the pickled result or the failure back.
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -17,7 +19,7 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S
-from hvd_spark.errors import ConfigError
+from hvd_spark.errors import ConfigError, RendezvousTimeoutError
 from hvd_spark.runner.failures import WorkerFailure
 
 FN_KEY = "fn"
@@ -56,8 +58,34 @@ def _rank_for_report() -> int:
     return -1
 
 
+def receive_rank_env(timeout: float) -> None:
+    """Wait for this rank's variables on stdin and apply them to ``os.environ``.
+
+    Only in a worker that a Spark task started before it registered
+    (``task_process.start_worker(rank_env_later=True)``, which sets
+    ``RANK_ENV_ON_STDIN``); otherwise nothing.
+
+    Raises:
+        RendezvousTimeoutError: Nothing arrived within ``timeout`` seconds, or the task
+            closed stdin first (it failed to register and is ending).
+    """
+    if os.environ.pop(_env.RANK_ENV_ON_STDIN, None) is None:
+        return
+    ready, _, _ = select.select([sys.stdin.buffer], [], [], timeout)
+    line = sys.stdin.buffer.readline() if ready else b""
+    if not line:
+        raise RendezvousTimeoutError(
+            f"this rank's Spark task did not hand over the rank's place within {timeout:.0f} s "
+            "(it could not register with the driver: see the task's error)")
+    message = json.loads(line)
+    os.environ.update(message["set"])
+    for name in message["unset"]:
+        os.environ.pop(name, None)
+
+
 def main() -> int:
     """Run the job's function as this rank; return the process exit code."""
+    receive_rank_env(_env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S) + 30.0)
     rank = _rank_for_report()
     secret = _require_hex(_env.SECRET)
     addr = wire.parse_addr(_env.require_str(_env.RENDEZVOUS_ADDR), _env.RENDEZVOUS_ADDR)

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,7 @@ from hvd_spark.runner.spark.task_process import (
     DRAIN_S,
     LogSender,
     reap_worker,
+    send_rank_env,
     start_worker,
     task_gpu_addresses,
     watch_stop,
@@ -61,6 +63,21 @@ class TaskSpec:
     run_id: str
 
 
+def early_env(base: dict[str, str], spec: TaskSpec) -> dict[str, str]:
+    """The part of a rank's environment known before the task registers: executor's +
+    user's + the run's variables (the worker starts with it; see :func:`child_env`)."""
+    env = {**base, **spec.env}
+    env.pop(_env.GPU_INDEX, None)  # only this rank's own index may reach it
+    env.setdefault(_env.START_TIMEOUT, str(spec.start_timeout))
+    env.update({
+        _env.RENDEZVOUS_ADDR: spec.driver_addr,
+        _env.SECRET: spec.secret.hex(),
+        _env.RUN_ID: spec.run_id,
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
 def child_env(
     base: dict[str, str], spec: TaskSpec, info: RankInfo, gpus: list[str] | None,
     task_gpus: list[str] | None = None,
@@ -73,17 +90,9 @@ def child_env(
     discovery scripts) do, unless the executor says otherwise; ``task_gpus`` (when not
     None) are the task's Spark GPU addresses, for ``hvd_spark.task.get_available_devices``.
     """
-    env = {**base, **spec.env}
-    env.pop(_env.GPU_INDEX, None)  # only this rank's own index may reach it
-    env.setdefault(_env.START_TIMEOUT, str(spec.start_timeout))
+    env = early_env(base, spec)
     env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
                                    info.cross_rank, info.cross_size, info.host))
-    env.update({
-        _env.RENDEZVOUS_ADDR: spec.driver_addr,
-        _env.SECRET: spec.secret.hex(),
-        _env.RUN_ID: spec.run_id,
-        "PYTHONUNBUFFERED": "1",
-    })
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         # CUDA's default order is fastest first; Spark's addresses are nvidia-smi's indices.
@@ -137,35 +146,45 @@ def run_task(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
     registration (which answers with the host's GPU order) and passed to the rank.
     """
     host = task_host()
-    client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
+    # The rank's interpreter starts and imports while the task registers (the rank's
+    # variables follow on its stdin): the two were the longest steps of a run's start.
+    started_with = early_env(dict(os.environ), spec)
+    proc = start_worker(started_with, rank_env_later=True)
     try:
+        client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
         try:
-            info: RankInfo = client.call(REGISTER, partition, host, spec.start_timeout,
-                                         tuple(task_gpus), timeout=spec.start_timeout)
-            proc = start_worker(child_env(dict(os.environ), spec, info,
-                                          rank_gpus(spec, info), task_gpus))
-        except Exception as exc:  # noqa: BLE001 - reported to the driver, then re-raised
-            with contextlib.suppress(Exception):
-                client.call(TASK_ERROR, partition, WorkerFailure.from_exception(
-                    partition, host, exc), timeout=wire.HANDSHAKE_TIMEOUT_S)
-            raise
-        try:
-            sender = LogSender(client, info.rank)
-            sender.follow(proc.stdout, proc.stderr)
-            stopped = threading.Event()
-            threading.Thread(target=watch_stop, args=(
-                spec.driver_addr, spec.secret, spec.start_timeout, proc, stopped),
-                daemon=True).start()
-            returncode = proc.wait()  # bounded by the driver's stop and the ranks' timeouts
-            sender.close(DRAIN_S)
-            with contextlib.suppress(HvdSparkError, OSError):
-                client.call(EXIT, info.rank, returncode, stopped.is_set(),
-                            timeout=wire.HANDSHAKE_TIMEOUT_S)
-            return returncode
+            return _serve_rank(client, proc, started_with, spec, partition, host, task_gpus)
         finally:
-            reap_worker(proc, spec.secret)
+            client.close()
     finally:
-        client.close()
+        reap_worker(proc, spec.secret)
+
+
+def _serve_rank(client: StoreClient, proc: subprocess.Popen, started_with: dict[str, str],
+                spec: TaskSpec, partition: int, host: str, task_gpus: list[str]) -> int:
+    """Register, hand the worker its rank, relay its output until it ends; its exit code."""
+    try:
+        info: RankInfo = client.call(REGISTER, partition, host, spec.start_timeout,
+                                     tuple(task_gpus), timeout=spec.start_timeout)
+        send_rank_env(proc, started_with, child_env(dict(os.environ), spec, info,
+                                                    rank_gpus(spec, info), task_gpus))
+    except Exception as exc:  # noqa: BLE001 - reported to the driver, then re-raised
+        with contextlib.suppress(Exception):
+            client.call(TASK_ERROR, partition, WorkerFailure.from_exception(
+                partition, host, exc), timeout=wire.HANDSHAKE_TIMEOUT_S)
+        raise
+    sender = LogSender(client, info.rank)
+    sender.follow(proc.stdout, proc.stderr)
+    stopped = threading.Event()
+    threading.Thread(target=watch_stop, args=(
+        spec.driver_addr, spec.secret, spec.start_timeout, proc, stopped),
+        daemon=True).start()
+    returncode = proc.wait()  # bounded by the driver's stop and the ranks' timeouts
+    sender.close(DRAIN_S)
+    with contextlib.suppress(HvdSparkError, OSError):
+        client.call(EXIT, info.rank, returncode, stopped.is_set(),
+                    timeout=wire.HANDSHAKE_TIMEOUT_S)
+    return returncode
 
 
 def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import queue
 import signal
@@ -20,6 +21,7 @@ import threading
 import time
 from typing import IO, Any
 
+from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreClient
@@ -68,20 +70,45 @@ def task_gpu_addresses(context: Any) -> list[str]:
     return [str(a) for a in resource.addresses] if resource is not None else []
 
 
-def start_worker(env: dict[str, str]) -> subprocess.Popen:
+def start_worker(env: dict[str, str], rank_env_later: bool = False) -> subprocess.Popen:
     """Start ``python -m hvd_spark.runner.worker`` in its own process group.
 
     Args:
-        env: The worker's whole environment.
+        env: The worker's whole environment (with ``rank_env_later``: all but its rank's
+            variables).
+        rank_env_later: The worker waits for its rank's variables on stdin
+            (:func:`send_rank_env`; ``worker.receive_rank_env`` reads them), so that
+            its interpreter starts and imports while the task registers with the driver.
 
     Returns:
         The process, its stdout and stderr piped (see :class:`LogSender`).
     """
+    if rank_env_later:
+        env = {**env, _env.RANK_ENV_ON_STDIN: "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "hvd_spark.runner.worker"],
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env, stdin=subprocess.PIPE if rank_env_later else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True, preexec_fn=die_with_task,
     )
+
+
+def send_rank_env(proc: subprocess.Popen, started_with: dict[str, str],
+                  env: dict[str, str]) -> None:
+    """Hand a worker started with ``rank_env_later`` the rest of its environment.
+
+    Args:
+        proc: The worker.
+        started_with: The environment it was started with.
+        env: The environment it must run with: what differs is sent, what is missing is
+            removed.
+    """
+    message = {"set": {k: v for k, v in env.items() if started_with.get(k) != v},
+               "unset": sorted(set(started_with) - set(env))}
+    # A worker that already died closed its end: its exit code and stderr say why.
+    with contextlib.suppress(BrokenPipeError, OSError):
+        proc.stdin.write(json.dumps(message).encode() + b"\n")
+        proc.stdin.close()
 
 
 def reap_worker(proc: subprocess.Popen, secret: bytes) -> None:
