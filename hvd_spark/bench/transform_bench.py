@@ -21,7 +21,9 @@ rows/s. Both paths' predictions are compared on a sample first.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import cloudpickle
@@ -97,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     from pyspark.sql import SparkSession
 
     from hvd_spark.estimator import transform
+
+    # Spark's Python workers run this interpreter (with torch and pyarrow), on loopback.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from hvd_spark.estimator.torch_worker import torch_predictor
 
     spark = (SparkSession.builder.master(args.master).appName("hvd_spark transform bench")
