@@ -147,7 +147,7 @@ def run_task(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
     """
     host = task_host()
     # The rank's interpreter starts and imports while the task registers (the rank's
-    # variables follow on its stdin): the two were the longest steps of a run's start.
+    # variables follow on its stdin): that start is the longest step of a run's start.
     started_with = early_env(dict(os.environ), spec)
     proc = start_worker(started_with, rank_env_later=True)
     try:
