@@ -139,3 +139,42 @@ def test_a_silent_worker_is_declared_lost_by_the_heartbeat():
 def test_bad_settings_are_refused_with_the_parameter(kw, match):
     with pytest.raises(ConfigError, match=match):
         _settings(**kw)
+
+
+def _join_in_background(driver: ElasticDriver, worker: str, last: int):
+    out: dict = {}
+
+    def one():
+        started = time.monotonic()
+        try:
+            out["result"] = driver.join(worker, "h", last)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out["result"] = exc
+        out["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=one)
+    thread.start()
+    time.sleep(0.3)  # let it reach the wait
+    return thread, out
+
+
+@pytest.mark.parametrize("end", ["finished", "closed"])
+def test_a_join_waiting_when_the_job_ends_returns_at_once(end):
+    # A newcomer waits for the members' next commit; the job ends first. Its join (and
+    # the store connection serving it) must not wait out the 60 s start timeout.
+    d = ElasticDriver(_settings(num_proc=2, max_np=3, start_timeout=60, elastic_timeout=60))
+    try:
+        _join_all(d, [("a", "h", 0), ("b", "h", 0)])
+        thread, out = _join_in_background(d, "c", 0)
+        assert "result" not in out  # still waiting for a place
+        if end == "finished":
+            d.worker_exited("a", 0)  # a member finished training: the job is done
+        else:
+            d.close()
+        thread.join(5)
+        assert not thread.is_alive()
+        assert isinstance(out["result"], ElasticJobError), out
+        assert "finished" in str(out["result"]) or "stopped" in str(out["result"])
+        assert out["seconds"] < 3
+    finally:
+        d.close()

@@ -90,6 +90,7 @@ class ElasticDriver:
         self.fatal: str | None = None
         self.resets = 0
         self.finished = False
+        self._closed = False
         self._labels: dict[str, str] = {}
         self._started = time.monotonic()
         # Its thread also drives the deadlines (start and elastic timeouts) between joins.
@@ -141,6 +142,10 @@ class ElasticDriver:
                        and worker not in self._waiting):
                 if self.fatal:
                     raise ElasticJobError(self.fatal)
+                if self.finished or self._closed:
+                    # No generation forms any more: waiting on would hold this join (its
+                    # store connection and thread) until its deadline, long after the job.
+                    raise ElasticJobError("the elastic job has finished; no generation will form")
                 if worker in self.lost:
                     raise ElasticJobError(f"worker {worker} was declared lost: {self.lost[worker]}")
                 left = deadline - time.monotonic()
@@ -202,6 +207,7 @@ class ElasticDriver:
     def close(self) -> None:
         """Stop the heartbeat checker and wake every waiting join."""
         with self._cond:
+            self._closed = True
             if self.fatal is None and not self.finished:
                 self.fatal = "the elastic job was stopped by its launcher"
             self._cond.notify_all()
