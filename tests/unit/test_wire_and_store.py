@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 
@@ -32,6 +33,38 @@ def test_store_set_get_and_custom_handler():
             client.get("never", 0.2)
         client.close()
     finally:
+        server.close()
+
+
+def test_close_closes_a_connection_whose_handler_is_still_running():
+    # A handler that outlasts the server (an elastic join waiting on its driver) must not
+    # keep its connection open: close() gives it a moment, then closes the socket.
+    release = threading.Event()
+    server = StoreServer(SECRET, handlers={"wait": lambda: release.wait(30)})
+    client = StoreClient(("127.0.0.1", server.port), SECRET)
+    seen: list = []
+
+    def call() -> None:
+        try:
+            seen.append(client.call("wait"))
+        except PeerDisconnectedError as exc:
+            seen.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not server._conns and time.monotonic() < deadline:  # noqa: SLF001 - test
+            time.sleep(0.01)
+        (conn,) = list(server._conns)  # noqa: SLF001 - the socket under test
+        server.close()
+        assert conn.fileno() == -1  # closed, while its handler still runs
+        caller.join(5)
+        assert not caller.is_alive()
+        assert len(seen) == 1 and isinstance(seen[0], PeerDisconnectedError), seen
+    finally:
+        release.set()
+        client.close()
         server.close()
 
 

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[..., Any]
 
+#: Seconds close() waits for the serving threads before it closes their connections.
+_CLOSE_GRACE_S = 1.0
+
 
 class UnknownRequestError(HvdSparkError):
     """The store's launcher does not serve this request kind (an older or simpler launcher)."""
@@ -46,7 +49,7 @@ class StoreServer:
         self._closed = False
         # Connections being served: close() ends them, so no serving thread (and no
         # socket) outlives the server waiting on a client that will never speak again.
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, threading.Thread] = {}
         self._conns_lock = threading.Lock()
         self.rejected_connections = 0
         self._thread = threading.Thread(target=self._accept_loop, name="hvd-store", daemon=True)
@@ -89,12 +92,22 @@ class StoreServer:
         except OSError:
             pass
         with self._conns_lock:
-            conns = list(self._conns)
+            conns = dict(self._conns)
         for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)  # its serving thread sees EOF and closes it
             except OSError:
                 pass
+        # A thread still inside a handler (a join waiting on its driver) is not reading:
+        # give the threads a moment, then close what they still hold, so no connection
+        # outlives the server. The thread's late reply then fails on the closed socket.
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        for conn, thread in conns.items():
+            if thread is threading.current_thread():
+                continue  # close() called by a handler: its own connection ends with it
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                conn.close()
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -111,12 +124,12 @@ class StoreServer:
             if self._closed:
                 conn.close()
                 return
-            self._conns.add(conn)
+            self._conns[conn] = threading.current_thread()
         try:
             self._serve_conn(conn, peer)
         finally:
             with self._conns_lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
 
     def _serve_conn(self, conn: socket.socket, peer: tuple) -> None:
         with conn:
@@ -130,7 +143,7 @@ class StoreServer:
             while not self._closed:
                 try:
                     request = wire.recv_obj(conn, "store client")
-                except HvdSparkError:
+                except (HvdSparkError, OSError):
                     return
                 try:
                     reply = ("ok", self._dispatch(request))
@@ -138,7 +151,7 @@ class StoreServer:
                     reply = ("error", exc)
                 try:
                     wire.send_obj(conn, reply, "store client")
-                except HvdSparkError:
+                except (HvdSparkError, OSError):  # OSError: closed by close() meanwhile
                     return
 
     def _dispatch(self, request: tuple) -> Any:
