@@ -38,6 +38,9 @@ GPU_INDEX = "HVD_SPARK_GPU_INDEX"
 # Set by hvd_spark.run's Spark tasks, which start the rank's process while they register:
 # the process reads the variables of its rank (rank, host, GPUs) as one JSON line on stdin.
 RANK_ENV_ON_STDIN = "HVD_SPARK_RANK_ENV_ON_STDIN"
+# "pid:signal": the process that started this one, and the signal to ask for when it dies
+# (hvd_spark.runner.tied_child; read and removed by the child).
+DIE_WITH_PARENT = "HVD_SPARK_DIE_WITH_PARENT"
 
 # The launcher variables whose absence means "no launcher: a one-rank job".
 LAUNCHER_VARS = (RANK, SIZE, RENDEZVOUS_ADDR, SECRET)

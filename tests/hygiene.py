@@ -158,7 +158,7 @@ class State:
         if new_fds:
             table = _tcp_rows()
             fds = sorted(f"{fd} -> {target}{_describe_socket(target, table)}"
-                         f"{' ' + repr(held[fd]) if fd in held else ''}"
+                         f"{' ' + describe_holders(held[fd], held) if fd in held else ''}"
                          for fd, target in new_fds.items())
             problems.append(f"file descriptors still open: {fds}")
         return problems
@@ -230,6 +230,43 @@ def _holder(inode: int) -> str:
         except OSError:
             continue
     return "?"
+
+
+def describe_holders(sock: socket.socket, *ignore: object) -> str:
+    """``repr(sock)``, whether it listens, and what holds it (two steps up the referrers):
+    a frame names its function and line, an instance dict its class, so the report says
+    which code kept the socket."""
+    try:
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    except OSError:
+        listening = 0
+    holders = []
+    for ref in _referrers(sock, ignore):
+        above = [_name(r) for r in _referrers(ref, ignore)][:3]
+        holders.append(_name(ref) + (f" <- {', '.join(above)}" if above else ""))
+    return (f"{sock!r}{' listening' if listening else ''}, held by "
+            f"[{'; '.join(holders[:4]) or 'nothing but a cycle'}]")
+
+
+def _referrers(obj: object, ignore: tuple) -> list:
+    """What refers to ``obj``, leaving out ``ignore`` and this module's own frames."""
+    skip = {id(o) for o in ignore}
+    return [r for r in gc.get_referrers(obj)
+            if id(r) not in skip
+            and not (type(r).__name__ == "frame" and r.f_code.co_filename == __file__)]
+
+
+def _name(obj: object) -> str:
+    """A short description of a referrer: a frame by its code, a dict by its owner."""
+    if type(obj).__name__ == "frame":
+        code = obj.f_code
+        return f"frame {code.co_qualname} ({os.path.basename(code.co_filename)}:{obj.f_lineno})"
+    if isinstance(obj, dict):
+        for owner in gc.get_referrers(obj):
+            if getattr(owner, "__dict__", None) is obj:
+                return f"{type(owner).__qualname__} attributes"
+        return f"dict of {len(obj)} keys"
+    return type(obj).__qualname__
 
 
 def _python_sockets() -> dict[int, socket.socket]:

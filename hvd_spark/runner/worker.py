@@ -20,6 +20,7 @@ from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S
 from hvd_spark.errors import ConfigError, RendezvousTimeoutError
+from hvd_spark.runner import tied_child
 from hvd_spark.runner.failures import WorkerFailure
 
 FN_KEY = "fn"
@@ -85,6 +86,7 @@ def receive_rank_env(timeout: float) -> None:
 
 def main() -> int:
     """Run the job's function as this rank; return the process exit code."""
+    tied_child.arm_from_env()
     receive_rank_env(_env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S) + 30.0)
     rank = _rank_for_report()
     secret = _require_hex(_env.SECRET)

@@ -31,9 +31,9 @@ from hvd_spark.errors import ElasticJobError, WorkerFailedError
 from hvd_spark.runner import worker
 from hvd_spark.runner.elastic.elastic_driver import ElasticDriver
 from hvd_spark.runner.failures import WorkerFailure
-from hvd_spark.runner.local.local_launcher import die_with_parent
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import ElasticConfig
+from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 DEFAULT_COOLDOWN_S = 5.0
 _FINISH_GRACE_S = 60.0
@@ -105,10 +105,8 @@ class ElasticLocalJob:
         for var in (_env.RANK, _env.SIZE):  # an elastic worker learns its rank by joining
             env.pop(var, None)
         self.driver.worker_started(worker_id, host)
-        proc = subprocess.Popen(
-            self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )
+        proc = start_tied(self.command, signal.SIGTERM, env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.procs[worker_id] = proc
         self._output.follow(int(worker_id), proc.stdout, proc.stderr)
         threading.Thread(target=self._watch, args=(worker_id, proc), daemon=True).start()
@@ -246,7 +244,7 @@ def run_elastic_local(
         heartbeat_s=_env.get_float(_env.HEARTBEAT, 10.0),
     )
     payload = worker.pickle_job(fn, args, kwargs)
-    command = [sys.executable, "-m", "hvd_spark.runner.worker"]
+    command = list(WORKER_COMMAND)
     with ElasticLocalJob(settings, command, env, cooldown, stdout, stderr) as job:
         job.store.set(worker.FN_KEY, payload)
         results = job.run()

@@ -8,7 +8,6 @@ as any rank fails, stops the others and raises one error naming the root cause.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import queue
 import secrets
@@ -33,17 +32,10 @@ from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
 from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import DEFAULT_HEARTBEAT_S, RunConfig, Timeouts
+from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 _TEARDOWN_GRACE_S = 3.0
-#: What each rank runs when the job is a function: fetch it, run it, report.
-WORKER_COMMAND = (sys.executable, "-m", "hvd_spark.runner.worker")
 _HOST = "localhost"
-
-
-def die_with_parent() -> None:
-    # Linux: the kernel sends SIGTERM to the rank if the launcher dies.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def heartbeat_limit() -> float:
@@ -116,10 +108,9 @@ class LocalJob(Launcher):
         for rank in range(self.num_proc):
             env = {**os.environ, **self._env, **rank_env(
                 rank, self.num_proc, self.store.port, self.secret, self.timeouts.heartbeat_s)}
-            proc = subprocess.Popen(
-                list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, preexec_fn=die_with_parent,
-            )
+            # SIGTERM if the launcher dies: the rank may still flush its output.
+            proc = start_tied(command, signal.SIGTERM, env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             self.procs.append(proc)
             self._output.follow(rank, proc.stdout, proc.stderr)
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()

@@ -12,6 +12,7 @@ import functools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -21,9 +22,10 @@ from typing import IO
 
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner.local.local_launcher import WORKER_COMMAND, LocalJob, die_with_parent
+from hvd_spark.runner.local.local_launcher import LocalJob
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import RunConfig
+from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 OPEN_MPI = "openmpi"
 MPICH = "mpich"
@@ -183,9 +185,8 @@ class MpiJob(LocalJob):
         ranked = [sys.executable, "-m", "hvd_spark.runner.local.mpi_rank", *command]
         args, full_env = mpirun_command(self.num_proc, ranked, {**self._env, **store_env},
                                         self.mpirun)
-        proc = subprocess.Popen(args, env=full_env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=die_with_parent)
+        proc = start_tied(args, signal.SIGTERM, full_env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.procs.append(proc)
         for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
             pump = threading.Thread(target=_relabel, args=(pipe, name, self._output),

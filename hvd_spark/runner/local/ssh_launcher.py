@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -28,14 +29,10 @@ from typing import IO
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
 from hvd_spark.runner.local import hosts as hostlist
-from hvd_spark.runner.local.local_launcher import (
-    WORKER_COMMAND,
-    LocalJob,
-    die_with_parent,
-    local_config,
-)
+from hvd_spark.runner.local.local_launcher import LocalJob, local_config
 from hvd_spark.runner.rendezvous import RankInfo
 from hvd_spark.runner.run_config import RunConfig, Timeouts
+from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 SSH_OPTS = "HVD_SPARK_SSH_OPTS"
 _CHECK_TIMEOUT_S = 20.0
@@ -166,10 +163,9 @@ class SshJob(LocalJob):
         self._expect_reports = command is None
         command = WORKER_COMMAND if command is None else command
         for info in self.placement:
-            proc = subprocess.Popen(
-                self.command_for(info, command), stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                preexec_fn=die_with_parent)
+            proc = start_tied(
+                self.command_for(info, command), signal.SIGTERM, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(self.rank_env(info)).encode() + b"\n")
             proc.stdin.flush()  # stdin stays open: closing it stops the rank

@@ -10,13 +10,11 @@ whole group when the task returns.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import IO, Any
@@ -27,6 +25,7 @@ from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner.spark.driver_service import LOG, STOP_KEY
+from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 #: Seconds a worker gets between SIGTERM and SIGKILL, and to be reaped after SIGKILL.
 KILL_GRACE_S = 2.0
@@ -34,16 +33,6 @@ KILL_GRACE_S = 2.0
 DRAIN_S = 5.0
 _STOP_POLL_S = 1.0
 _SELF_EXIT_GRACE_S = 0.5
-
-
-def die_with_task() -> None:
-    """``preexec_fn`` of the worker: the kernel SIGKILLs it when the task's thread dies.
-
-    Linux only (PR_SET_PDEATHSIG); elsewhere it does nothing. Spark may kill the task
-    thread without running any of our clean-up, and the worker must not outlive it.
-    """
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -85,12 +74,11 @@ def start_worker(env: dict[str, str], rank_env_later: bool = False) -> subproces
     """
     if rank_env_later:
         env = {**env, _env.RANK_ENV_ON_STDIN: "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "hvd_spark.runner.worker"],
-        env=env, stdin=subprocess.PIPE if rank_env_later else subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, preexec_fn=die_with_task,
-    )
+    # SIGKILL when the task's thread dies: Spark may kill it without running any of our
+    # clean-up, and the worker must not outlive it.
+    return start_tied(WORKER_COMMAND, signal.SIGKILL, env,
+                      stdin=subprocess.PIPE if rank_env_later else subprocess.DEVNULL,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def send_rank_env(proc: subprocess.Popen, started_with: dict[str, str],
