@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -175,8 +176,16 @@ def mpi_worker(opts: dict) -> None:
         print("MPIRESULT " + json.dumps(rows), flush=True)
 
 
-def run_mpi(num_proc: int, argv: list[str]) -> tuple[list[dict], str]:
-    """Run the MPI peer under mpirun; returns rows and a description (or why it is absent)."""
+def run_mpi(num_proc: int, argv: list[str], mpirun_args: Sequence[str] = ("--oversubscribe",),
+            wrap: Callable[[list[str]], list[str]] = list) -> tuple[list[dict], str]:
+    """Run the MPI peer under mpirun; returns rows and a description (or why it is absent).
+
+    Args:
+        num_proc: Ranks.
+        argv: The benchmark's own options for ``mpi_worker`` (sizes, budget).
+        mpirun_args: mpirun's options before the program (hosts, MCA settings).
+        wrap: Turns mpirun's command line into the one to run (e.g. inside a namespace).
+    """
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
     try:
         import mpi4py  # noqa: F401
@@ -184,10 +193,12 @@ def run_mpi(num_proc: int, argv: list[str]) -> tuple[list[dict], str]:
         return [], "MPI: mpi4py not installed"
     if mpirun is None:
         return [], "MPI: no mpirun found"
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           # Its daemons on other hosts find prted and python on this PATH.
+           "PATH": os.path.dirname(mpirun) + os.pathsep + os.environ.get("PATH", "")}
     env = {k: v for k, v in env.items() if not k.startswith("HVD_SPARK_")}
-    cmd = [mpirun, "-np", str(num_proc), "--oversubscribe", sys.executable, "-m",
-           "hvd_spark.bench.allreduce", "--mpi-worker", *argv]
+    cmd = wrap([mpirun, "-np", str(num_proc), *mpirun_args, sys.executable, "-m",
+                "hvd_spark.bench.allreduce", "--mpi-worker", *argv])
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     except subprocess.TimeoutExpired:

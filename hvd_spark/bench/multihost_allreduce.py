@@ -2,9 +2,10 @@
 
 Builds H namespace hosts (``netns_cluster.hosts``) with shaped links, starts R ranks on each
 (the launcher's rendezvous store on the bridge, every rank in its host's namespaces),
-and times all-reduce of each size three ways on the same hosts and links: hvd_spark
-hierarchical, hvd_spark flat ring, and torch Gloo (in the flat run's processes, in
-alternation). Needs root (see ``netns_cluster.hosts.problem``) and a source checkout:
+and times all-reduce of each size four ways on the same hosts and links: hvd_spark
+hierarchical, hvd_spark flat ring, torch Gloo (in the flat run's processes, in
+alternation), and Open MPI (mpirun across the hosts, TCP between them, shared memory
+within one). Needs root (see ``netns_cluster.hosts.problem``) and a source checkout:
 the namespace harness is test support, not part of the wheel.
 
 busbw = 2(N-1)/N x bytes / time (comparable across N). For H hosts the network-bound
@@ -16,8 +17,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import socket
 import sys
+import tempfile
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -127,9 +130,46 @@ def launch(net: NetnsHosts, ranks_per_host: int, env: dict[str, str], opts: dict
     raise ConfigError(f"rank 0 printed no result; its output:\n{out.getvalue()[-2000:]}")
 
 
+def _ssh_agent(net: NetnsHosts, folder: str) -> str:
+    """Write the script mpirun starts its remote daemons with (in place of ssh): it runs
+    the command on the named host, inside that host's namespaces. Returns its path."""
+    lines = ["#!/bin/sh", "host=$1; shift", 'case "$host" in']
+    for i, (addr, name) in enumerate(zip(net.addrs, net.hostnames)):
+        enter = " ".join(net.joined_argv(i, []))
+        lines.append(f'  {addr}|{name}) exec {enter} sh -c "$*" ;;')
+    lines += ['  *) echo "no namespace host $host" >&2; exit 1 ;;', "esac", ""]
+    path = os.path.join(folder, "netns-agent.sh")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    os.chmod(path, 0o755)
+    return path
+
+
+def mpi_across(net: NetnsHosts, ranks_per_host: int, sizes: list[int],
+               budget: float) -> tuple[list[dict], str]:
+    """Open MPI's Allreduce on the same hosts: mpirun on the first host, its daemons on the
+    others through ``_ssh_agent``; TCP (the tcp BTL) between hosts, shared memory within.
+    Returns the rows and mpirun's version (or why there are none)."""
+    from hvd_spark.bench.allreduce import run_mpi
+
+    subnet = net.addrs[0].rsplit(".", 1)[0] + ".0/24"
+    with tempfile.TemporaryDirectory() as folder:
+        args = ["-H", ",".join(f"{addr}:{ranks_per_host}" for addr in net.addrs),
+                "--prtemca", "plm_ssh_agent", _ssh_agent(net, folder),
+                "--mca", "btl", "tcp,self,sm", "--mca", "btl_tcp_if_include", subnet,
+                # The hosts share this machine's cores: a rank that spins while it waits
+                # (Open MPI's default) starves the others and the kernel's network path
+                # (10x slower here); ours and Gloo's sleep in the kernel.
+                "--mca", "mpi_yield_when_idle", "1"]
+        argv = ["--sizes", ",".join(str(s) for s in sizes), "--budget-mb", str(budget / 1e6)]
+        return run_mpi(net.count * ranks_per_host, argv, args,
+                       wrap=lambda command: net.joined_argv(0, command))
+
+
 def measure(hosts: int, ranks_per_host: int, shape: LinkShape, sizes: list[int],
             budget: float, rounds: int = 2) -> dict:
-    """Hierarchical and flat runs (Gloo with the flat one) on one set of hosts."""
+    """Hierarchical and flat runs (Gloo with the flat one), then Open MPI, on one set of
+    hosts."""
     opts = {"sizes": sizes, "budget": budget, "rounds": rounds}
     harness = namespace_hosts()
     with harness.NetnsHosts(hosts, shape) as net:
@@ -137,9 +177,10 @@ def measure(hosts: int, ranks_per_host: int, shape: LinkShape, sizes: list[int],
                        {**opts, "gloo": False})
         flat = launch(net, ranks_per_host, {"HVD_SPARK_HIERARCHICAL_ALLREDUCE": "0"},
                        {**opts, "gloo": True})
+        mpi_rows, mpi = mpi_across(net, ranks_per_host, sizes, budget)
     return {"hosts": hosts, "ranks_per_host": ranks_per_host, "shape": shape.describe(),
             "link_bits": harness.rate_bits(shape.bandwidth) if shape.bandwidth else None,
-            "hier": hier, "flat": flat}
+            "hier": hier, "flat": flat, "mpi": mpi, "mpi_rows": mpi_rows}
 
 
 def format_table(result: dict) -> str:
@@ -151,18 +192,22 @@ def format_table(result: dict) -> str:
     lines = [f"allreduce on {hosts} hosts x {result['ranks_per_host']} ranks ({n} ranks), links "
              f"{result['shape']}; float32 Sum in place; GB/s (busbw = 2(N-1)/N x bytes / time)"
              + (f"; network limit of algbw {limit:.3f} GB/s" if limit else ""),
-             f"hierarchical: {result['hier']['comm']}; flat: {result['flat']['comm']}",
+             f"hierarchical: {result['hier']['comm']}; flat: {result['flat']['comm']}; "
+             f"{result.get('mpi', 'MPI: not run')}",
              f"{'size':>6} | {'hier ms':>8} {'busbw':>6} {'algbw':>6} | {'flat ms':>8} "
-             f"{'busbw':>6} | {'gloo ms':>8} {'busbw':>6} | {'x gloo':>6} {'x flat':>6}"
+             f"{'busbw':>6} | {'gloo ms':>8} {'busbw':>6} | {'mpi ms':>8} {'busbw':>6} | "
+             f"{'x gloo':>6} {'x mpi':>6} {'x flat':>6}"
              + (f" {'% link':>6}" if limit else "")]
     flat_rows = {r["bytes"]: r for r in result["flat"]["rows"]}
+    mpi_rows = {r["bytes"]: r["mpi"] for r in result.get("mpi_rows", [])}
     for row in result["hier"]["rows"]:
         b = row["bytes"]
         h, f = row["hvd"], flat_rows[b]["hvd"]
         g = flat_rows[b].get("gloo", float("nan"))
+        mp = mpi_rows.get(b, float("nan"))
         line = (f"{human_size(b):>6} | {h * 1e3:8.1f} {busbw(b, h, n):6.3f} {b / h / 1e9:6.3f} | "
                 f"{f * 1e3:8.1f} {busbw(b, f, n):6.3f} | {g * 1e3:8.1f} {busbw(b, g, n):6.3f} | "
-                f"{g / h:6.2f} {f / h:6.2f}")
+                f"{mp * 1e3:8.1f} {busbw(b, mp, n):6.3f} | {g / h:6.2f} {mp / h:6.2f} {f / h:6.2f}")
         if limit:
             line += f" {b / h / 1e9 / limit * 100:5.0f}%"
         lines.append(line)
