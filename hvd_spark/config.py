@@ -101,6 +101,75 @@ class AutotuneConfig:
         )
 
 
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup",
+                ) -> int:
+    """The CPUs this process can use at once: its affinity, capped by its cgroup's CPU quota.
+
+    A container's CPU limit (Kubernetes ``resources.limits.cpu``, YARN with CGroups,
+    ``docker --cpus``) is a quota, not an affinity: ``os.cpu_count()`` and the affinity
+    still show the whole node, and ranks that spin on a quota smaller than their number
+    take each other's time.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
+
+
+def cgroup_cpu_quota(cgroup_root: str = "/sys/fs/cgroup",
+                     proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs' worth of time per period that this process's cgroup (and those above it)
+    allow, from cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``; None without a quota."""
+    try:
+        with open(proc_cgroup) as f:
+            entries = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    for _, controllers, path in entries:
+        if controllers == "":  # v2: one hierarchy
+            mount, read = cgroup_root, _quota_v2
+        elif "cpu" in controllers.split(","):
+            mount, read = os.path.join(cgroup_root, "cpu"), _quota_v1
+        else:
+            continue
+        # With a cgroup namespace the path is "/" and the mount is this cgroup; without
+        # one the mount is the host's root and the path leads down to this cgroup.
+        leaf = os.path.join(mount, path.lstrip("/"))
+        folder = leaf if os.path.isdir(leaf) else mount
+        quotas = []
+        while True:  # the tightest quota on the way up to the mount applies
+            quota = read(folder)
+            if quota is not None:
+                quotas.append(quota)
+            if os.path.normpath(folder) == os.path.normpath(mount):
+                break
+            folder = os.path.dirname(folder)
+        return min(quotas) if quotas else None
+    return None
+
+
+def _quota_v2(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _quota_v1(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the collectives engine batches and waits.
@@ -154,11 +223,7 @@ class EngineConfig:
         this host: the setting, else the default where every rank has a CPU, else 0."""
         if self.spin_us is not None:
             return self.spin_us / 1e6
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 1
-        return DEFAULT_SPIN_US / 1e6 if local_ranks <= cpus else 0.0
+        return DEFAULT_SPIN_US / 1e6 if local_ranks <= usable_cpus() else 0.0
 
     def eager_limit(self, size: int, lone: bool = False) -> int:
         """The largest eager allreduce in a job of ``size`` ranks: the setting, else
