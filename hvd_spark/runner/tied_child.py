@@ -41,7 +41,11 @@ except (AttributeError, OSError):
     pass
 if os.getppid() != pid:
     os.kill(os.getpid(), sig)
-os.execvp(sys.argv[1], sys.argv[1:])
+try:
+    os.execvp(sys.argv[1], sys.argv[1:])
+except OSError as exc:  # a shell's codes: 127 not found, 126 not runnable
+    sys.stderr.write(f"cannot run {{sys.argv[1]}}: {{exc.strerror or exc}}\\n")
+    sys.exit(127 if isinstance(exc, FileNotFoundError) else 126)
 """
 
 

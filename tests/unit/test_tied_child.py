@@ -73,6 +73,14 @@ def test_the_command_runs_with_its_arguments_and_without_the_variable():
     assert os.getsid(0) != proc.pid  # it had its own session (we are not its leader)
 
 
+def test_a_command_that_cannot_run_ends_with_the_shells_code_and_says_why():
+    proc = start_tied(["no-such-command-here"], signal.SIGTERM, stderr=subprocess.PIPE,
+                      text=True)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 127
+    assert err == "cannot run no-such-command-here: No such file or directory\n"
+
+
 class _Finalized:
     """Shuts a socket down when collected: what py4j's connection finalizer does."""
 
