@@ -35,6 +35,10 @@ DEFAULT_OUTPUT_POOL_BYTES = 512 * 1024 * 1024
 # A rank waiting for its operation polls this long before it sleeps in the kernel: a
 # wake-up from a sleep costs 50-140 us on a VM, a poll a microsecond or two.
 DEFAULT_SPIN_US = 1000.0
+# Two ranks on one host: the largest synchronous allreduce whose tensor crosses through
+# shared memory with its request (collectives.tcp.express_lane); each rank maps two
+# buffers of it for sending. From 4 MB on, the ring's pipelined halves win.
+DEFAULT_EXPRESS_LANE_BYTES = 4 * 1024 * 1024
 DEFAULT_STALL_WARNING_S = 60.0
 TIMELINE_DYNAMIC = "DYNAMIC"  # HOROVOD_TIMELINE's value for "no file yet: start_timeline() later"
 # Horovod's autotuning defaults (samples per candidate is its fixed SAMPLES).
@@ -201,6 +205,9 @@ class EngineConfig:
             it blocks (0: block at once). None: ``DEFAULT_SPIN_US`` unless this host has
             more ranks than CPUs, where a spinning rank would take a CPU from the rank it
             waits for (see ``spin_seconds``).
+        express_lane_bytes: With two ranks on one host, a synchronous CPU allreduce up to
+            this many bytes crosses through shared memory with its request and both ranks
+            reduce it at once, no ring (0: off; see ``collectives.tcp.express_lane``).
     """
 
     timeout: float = DEFAULT_TIMEOUT_S
@@ -217,6 +224,7 @@ class EngineConfig:
     output_pool_bytes: int = DEFAULT_OUTPUT_POOL_BYTES
     autotune: AutotuneConfig | None = None
     spin_us: float | None = None
+    express_lane_bytes: int = DEFAULT_EXPRESS_LANE_BYTES
 
     def spin_seconds(self, local_ranks: int) -> float:
         """How long a waiting caller polls before blocking, with ``local_ranks`` ranks on
@@ -263,6 +271,9 @@ class EngineConfig:
         if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
             raise ConfigError(f"{_env.SPIN_US} must be 0..1000000 microseconds (0: never "
                               f"spin), got {self.spin_us}")
+        if self.express_lane_bytes < 0:
+            raise ConfigError(f"{_env.EXPRESS_LANE_BYTES} must be >= 0 bytes (0: off), "
+                              f"got {self.express_lane_bytes}")
         if self.chunk_bytes < 4096:
             raise ConfigError(f"{_env.CHUNK_BYTES} must be at least 4096, got {self.chunk_bytes}")
         if not self.stall_warning > 0:
@@ -300,6 +311,8 @@ class EngineConfig:
             output_pool_bytes=_env.get_int(_env.OUTPUT_POOL_BYTES, DEFAULT_OUTPUT_POOL_BYTES),
             autotune=AutotuneConfig.from_env(),
             spin_us=_env.get_float(_env.SPIN_US, None),
+            express_lane_bytes=_env.get_int(_env.EXPRESS_LANE_BYTES,
+                                            DEFAULT_EXPRESS_LANE_BYTES),
         )
 
 

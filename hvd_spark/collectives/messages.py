@@ -96,6 +96,8 @@ class Request:
         payload: A small CPU allreduce's input, flat, sent along with the request so
             rank 0 can reduce it during negotiation (``EngineConfig.eager_bytes``);
             None otherwise. Not part of what ranks must agree on.
+        lane: On the wire instead of ``payload``: the payload's sequence number on the
+            express lane (see ``tcp.express_lane``); None otherwise.
     """
 
     name: str
@@ -112,6 +114,7 @@ class Request:
     device: str = "cpu"
     layout: tuple[int, ...] | None = None
     payload: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    lane: int | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __reduce_ex__(self, protocol: int):
         # A plain tuple and raw bytes pickle several times faster than a dataclass
@@ -119,7 +122,7 @@ class Request:
         payload = _wire_bytes(self.payload, protocol)
         return _request, (self.name, self.kind, self.dtype, self.shape, self.op, self.prescale,
                           self.postscale, self.root, self.splits, self.members, self.error,
-                          self.device, self.layout, payload)
+                          self.device, self.layout, payload, self.lane)
 
     @property
     def nbytes(self) -> int:
@@ -128,11 +131,11 @@ class Request:
 
 
 def _request(name, kind, dtype, shape, op, prescale, postscale, root, splits, members, error,
-             device, layout, payload) -> Request:
+             device, layout, payload, lane=None) -> Request:
     """Unpickle a Request (see ``Request.__reduce__``)."""
     return Request(name, kind, dtype, shape, op, prescale, postscale, root, splits, members,
                    error, device, layout,
-                   None if payload is None else np.frombuffer(payload, dtype))
+                   None if payload is None else np.frombuffer(payload, dtype), lane)
 
 
 @dataclasses.dataclass(unsafe_hash=True, slots=True)

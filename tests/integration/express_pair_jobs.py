@@ -55,8 +55,10 @@ def _call(spec: dict, rank: int, step: int) -> np.ndarray:
 
 
 def _counters(engine, before: tuple[int, int]) -> dict:
+    lane = getattr(engine.comm, "express_lane", None)
     return {"express": engine.express_rounds - before[0],
-            "fallbacks": engine.express_fallbacks - before[1]}
+            "fallbacks": engine.express_fallbacks - before[1],
+            "lane_posts": 0 if lane is None else lane.posted}
 
 
 def _engine():
@@ -65,12 +67,14 @@ def _engine():
     return api.current_engine()
 
 
-def express_rounds(count: int, slow_rank: int | None = None, delay_s: float = 0.0) -> dict:
+def express_rounds(count: int, slow_rank: int | None = None, delay_s: float = 0.0,
+                   limit: int | None = None) -> dict:
     """``count`` synchronous allreduces of every kind in ``case_spec``; with
-    ``slow_rank``, that rank sleeps ``delay_s`` before each call (the other waits)."""
+    ``slow_rank``, that rank sleeps ``delay_s`` before each call (the other waits).
+    ``limit``: the largest size (default the inline limit, ``lone_eager_bytes``)."""
     hvd.init()
     engine, r = _engine(), hvd.rank()
-    limit = engine.lone_eager_bytes
+    limit = limit or engine.lone_eager_bytes
     before = (engine.express_rounds, engine.express_fallbacks)
     results = []
     for i in range(count):
@@ -124,16 +128,16 @@ def submission_during_express(rounds: int, delay_s: float) -> dict:
     return out
 
 
-def disagreeing_shapes() -> dict:
-    """The ranks call one name with different shapes (both on the express path): both
-    fail alike and promptly, and the name works again after."""
+def disagreeing_shapes(n: int = 3) -> dict:
+    """The ranks call one name with different shapes (``n`` and ``n + 1`` elements, both
+    on the express path): both fail alike and promptly, and the name works again after."""
     hvd.init()
     engine, r = _engine(), hvd.rank()
     before = (engine.express_rounds, engine.express_fallbacks)
     hvd.allreduce(np.zeros(1), name="warm")
     start = time.monotonic()
     try:
-        hvd.allreduce(np.ones(3 + r), name="bad", op=hvd.Sum)
+        hvd.allreduce(np.ones(n + r), name="bad", op=hvd.Sum)
         error = None
     except Exception as exc:  # noqa: BLE001 - the test checks what came back
         error = f"{type(exc).__name__}: {exc}"

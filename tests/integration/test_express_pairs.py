@@ -9,6 +9,7 @@ counters show which path each call took.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hvd_spark.runner import run_local
 from tests.integration import express_pair_jobs as jobs
@@ -68,8 +69,46 @@ def test_a_submission_from_another_thread_is_not_held_up_by_an_express_wait():
     assert outs[0]["fallbacks"] >= rounds - 1, outs[0]
 
 
-def test_ranks_that_disagree_on_the_express_path_both_fail_alike_and_promptly():
-    outs = run_local(jobs.disagreeing_shapes, num_proc=2, env=ENV)
+# Above the inline limit (256 KB for two ranks) only the express lane carries a tensor.
+LANE_LIMIT = 1 << 20
+
+
+def test_tensors_up_to_the_lane_size_cross_shared_memory_exactly():
+    """Every dtype and op again, a quarter of the calls 1 MB: those cannot ride inline,
+    so they take the express lane (its posts count them) and reduce out of it."""
+    count = 16
+    outs = run_local(jobs.express_rounds, args=(count, None, 0.0, LANE_LIMIT), num_proc=2,
+                     env=ENV)
+    _check_results(outs, count)
+    large = sum(1 for i in range(count) if jobs.case_spec(i, LANE_LIMIT)["n"] > 256)
+    for r, out in enumerate(outs):
+        assert out["express"] >= count - 2, f"rank {r}: {out}"
+        assert out["lane_posts"] >= large, f"rank {r}: {out}"
+
+
+def test_a_slow_peer_at_the_lane_size_hands_over_and_frees_the_buffers():
+    """Rank 1 comes late to every call: rank 0's tensors wait in the lane while its usual
+    cycle takes over; rank 1 copies them out (freeing the buffers) and every result is
+    exact, so the lane's two buffers never carry a tensor over one not yet read."""
+    count = 8
+    outs = run_local(jobs.express_rounds, args=(count, 1, 0.06, LANE_LIMIT), num_proc=2,
+                     env=ENV)
+    _check_results(outs, count)
+    assert outs[0]["fallbacks"] >= count - 2, outs[0]
+    assert outs[0]["lane_posts"] >= 2, outs[0]
+
+
+def test_express_lane_off_keeps_large_allreduces_on_the_ring():
+    count = 8
+    outs = run_local(jobs.express_rounds, args=(count, None, 0.0, LANE_LIMIT), num_proc=2,
+                     env={**ENV, "HVD_SPARK_EXPRESS_LANE_BYTES": "0"})
+    _check_results(outs, count)
+    assert [out["lane_posts"] for out in outs] == [0, 0]
+
+
+@pytest.mark.parametrize("n", [3, 100_000], ids=["inline", "lane"])
+def test_ranks_that_disagree_on_the_express_path_both_fail_alike_and_promptly(n):
+    outs = run_local(jobs.disagreeing_shapes, args=(n,), num_proc=2, env=ENV)
     texts = [out["error"] for out in outs]
     assert texts[0] is not None and texts[0] == texts[1], texts
     assert "bad" in texts[0] and "shape" in texts[0], texts[0]

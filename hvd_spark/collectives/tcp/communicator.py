@@ -12,6 +12,7 @@ from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.tcp import ring
+from hvd_spark.collectives.tcp.express_lane import ExpressLane, lane_supported, negotiate_lane
 from hvd_spark.collectives.tcp.links import Link, TcpLink
 from hvd_spark.collectives.tcp.shm import negotiate_shm
 from hvd_spark.errors import CollectiveError
@@ -40,6 +41,8 @@ class TcpCommunicator(Communicator):
             the communicator can ever use, since slots are sized once.
         spin_s: Seconds a shared-memory link polls for its peer's notice before blocking
             (``EngineConfig.spin_seconds``).
+        express_lane_bytes: With two ranks sharing memory, also set up the express lane
+            with buffers of this size (0: none; see ``express_lane``).
     """
 
     name = "tcp"
@@ -54,6 +57,7 @@ class TcpCommunicator(Communicator):
         shm_tag: str = "job",
         slot_bytes: int | None = None,
         spin_s: float = 0.0,
+        express_lane_bytes: int = 0,
     ) -> None:
         self.rank, self.size = rank, size
         self.slot_bytes = max(chunk_bytes, slot_bytes or 0)
@@ -71,6 +75,14 @@ class TcpCommunicator(Communicator):
                     if shm else None)
             self.links[peer] = link if link is not None else TcpLink(sock, peer)
         self.shm_peers = sorted(p for p, ln in self.links.items() if not isinstance(ln, TcpLink))
+        #: Two ranks sharing memory: the express lane between them (the engine's), or None.
+        self.express_lane: ExpressLane | None = None
+        if size == 2 and self.shm_peers and lane_supported():
+            # Both ranks reach this (same size, same shm outcome, same CPU), whatever
+            # their lane setting: negotiate_lane agrees on none when one is off.
+            peer = self.shm_peers[0]
+            self.express_lane = negotiate_lane(data_socks[peer], peer, express_lane_bytes,
+                                               tag=shm_tag)
         # With one rank there are no neighbours; every algorithm returns before using them.
         self.left = self.links.get(self.left_rank)
         self.right = self.links.get(self.right_rank)
@@ -88,6 +100,7 @@ class TcpCommunicator(Communicator):
         sub.left = sub.links.get(sub.left_rank)
         sub.right = sub.links.get(sub.right_rank)
         sub._owns_links = False
+        sub.express_lane = None  # the world's engine's alone
         return sub
 
     @property
@@ -167,3 +180,5 @@ class TcpCommunicator(Communicator):
                 link.close()
             except OSError:
                 pass
+        if self.express_lane is not None:
+            self.express_lane.close()

@@ -315,6 +315,8 @@ class TcpEngine(PairingMixin, ControlMixin, EngineCore):
     def _on_message(self, peer: int, kind: str, payload) -> None:
         """Handle one control message from ``peer``."""
         what = f"rank {peer}"
+        if kind in ("req", "pair"):
+            self._settle_lane(payload)
         if kind == "req":
             now = time.monotonic()
             tl = timeline.current()

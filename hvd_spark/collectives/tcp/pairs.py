@@ -11,6 +11,8 @@ entry, handle or cycle.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 
 import numpy as np
@@ -23,6 +25,7 @@ from hvd_spark.collectives.operations import Entry, Handle
 from hvd_spark.collectives.ops import SUPPORTED_DTYPES, ReduceOp, check_reduction, reduce_rows
 from hvd_spark.collectives.pairing import PairTable, disagreement, pairable
 from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp.express_lane import LANE_MIN_BYTES, ExpressLane
 from hvd_spark.errors import CollectiveError, HvdSparkError
 
 # How often rank 0 looks for paired requests waiting too long (stall warning, timeout).
@@ -40,6 +43,10 @@ class PairingMixin:
         """Pair only with two ranks (``_pairs`` is None otherwise)."""
         # Two ranks decide their small allreduces alone (see ``pairing``); under _lock.
         self._pairs = PairTable() if size == 2 else None
+        # Two ranks on one host: the express lane their tensors cross (a hierarchical
+        # communicator, never of two ranks, has none).
+        self._lane: ExpressLane | None = (getattr(self.comm, "express_lane", None)
+                                          if size == 2 else None)
         self._pair_warned: set[str] = set()
         self._next_pair_check = 0.0
         #: Allreduces the two ranks decided alone (see ``pairing``).
@@ -70,9 +77,12 @@ class PairingMixin:
             not qualify (the caller then submits it as usual, under the same name).
         """
         if (self._pairs is None or not array.flags.c_contiguous
-                or array.nbytes > self.lone_eager_bytes or array.dtype not in SUPPORTED_DTYPES
+                or array.dtype not in SUPPORTED_DTYPES
                 or (inplace and not array.flags.writeable)):
             return None
+        if array.nbytes > self.lone_eager_bytes and not (
+                self._lane is not None and self._lane.can_post(array.nbytes)):
+            return None  # too large to ride inline, and no lane (or its buffer is busy)
         try:  # as the usual path reads them; it names what is wrong, too
             op, postscale = ReduceOp(op), float(postscale)
             check_reduction(array.dtype, op, 1.0, postscale, name)
@@ -114,6 +124,8 @@ class PairingMixin:
                 if disagreement(name, first, second) is None:
                     reduce_rows([first.payload, second.payload], op, request.postscale,
                                 out=out.reshape(-1))
+                    if peer_request.lane is not None:
+                        self._lane.release(peer_request.lane)  # read: its buffer is free
                     self.paired += 1
                     self.express_rounds += 1
                     self.executed_responses += 1
@@ -163,8 +175,14 @@ class PairingMixin:
 
     def _express_send(self, request: m.Request) -> None:
         """Send this rank's request to the other rank, as the usual path's cycle would
-        (pickled now: before any reduction into the tensor riding along)."""
+        (pickled now: before any reduction into the tensor riding along); from
+        ``LANE_MIN_BYTES`` on, or above the inline limit, its tensor crosses the lane."""
         peer = 1 - self.rank
+        nbytes = request.payload.nbytes
+        lane = self._lane
+        if lane is not None and (nbytes >= LANE_MIN_BYTES or nbytes > self.lone_eager_bytes) \
+                and lane.can_post(nbytes):
+            request = dataclasses.replace(request, payload=None, lane=lane.post(request.payload))
         with self._send_lock:
             with self._lock:
                 self._hold(peer, "pair" if self._coordinator is not None else "req", [request])
@@ -184,6 +202,8 @@ class PairingMixin:
             return None, None  # too slow, or another thread's work: the cycle sends it
         kind, payload = self._recv_control(peer, sock)
         expected = "req" if self._coordinator is not None else "pair"
+        if kind == expected:
+            self._view_lane(payload)
         if (kind == expected and len(payload) == 1 and payload[0].name == name
                 and pairable(payload[0])):
             return payload[0], None
@@ -209,6 +229,25 @@ class PairingMixin:
             self._on_message(1 - self.rank, *frame)
         self._run_pairs()
         return entry
+
+    def _view_lane(self, requests: list[m.Request]) -> None:
+        """Give the requests whose tensors crossed the lane a view of it as payload."""
+        for request in requests:
+            if request.lane is not None and request.payload is None:
+                request.payload = self._lane.view(request.lane, request.dtype,
+                                                  math.prod(request.shape))
+
+    def _settle_lane(self, requests: list[m.Request]) -> None:
+        """Copy out the tensors of requests that crossed the lane and free their
+        buffers: the usual path may read them any time later."""
+        if self._lane is None:
+            return
+        self._view_lane(requests)
+        for request in requests:
+            if request.lane is not None:
+                request.payload = request.payload.copy()
+                self._lane.release(request.lane)
+                request.lane = None
 
     # ------------------------------------------------------------------ pairing
 

@@ -249,24 +249,24 @@ def _open_segment(path: str, token: bytes, size: int) -> mmap.mmap | None:
     return mapping
 
 
-def negotiate_shm(
-    sock: socket.socket, peer: int, slot_bytes: int, nslots: int = DEFAULT_SLOTS,
-    tag: str = "job", spin_s: float = 0.0,
-) -> ShmLink | None:
-    """Try to set up a ShmLink with ``peer`` over its authenticated socket.
+def negotiate_segments(sock: socket.socket, peer: int, size: int, tag: str = "job",
+                       offer: bool = True) -> tuple[mmap.mmap, mmap.mmap] | None:
+    """Map a segment of ``size`` bytes each way with ``peer``, over its authenticated socket.
 
-    Both sides call this at the same point; it returns a link only if both could
-    map each other's segment (same host, same /dev/shm), else None on both sides.
-    ``tag`` (see ``job_tag``) names the files so a launcher can remove leftovers.
+    Both sides call this at the same point; it returns (the segment this rank writes, the
+    one the peer writes) only if both could map each other's (same host, same /dev/shm),
+    else None on both sides. ``tag`` (see ``job_tag``) names the files so a launcher can
+    remove leftovers; the files are unlinked before this returns. A rank that does not
+    ``offer`` a segment takes part in the exchange and gets None, as does its peer.
     """
-    size = _DATA_OFFSET + slot_bytes * nslots
     what = f"rank {peer}"
-    try:
-        path, token, out_map = _create_segment(size, tag)
-    except OSError as exc:
-        log.warning("cannot reserve %d bytes of shared memory for rank %d in %s (%s); "
-                    "using TCP with that rank", size, peer, _shm_dir(), exc)
-        path, token, out_map = "", b"", None
+    path, token, out_map = "", b"", None
+    if offer:
+        try:
+            path, token, out_map = _create_segment(size, tag)
+        except OSError as exc:
+            log.warning("cannot reserve %d bytes of shared memory for rank %d in %s (%s); "
+                        "using TCP with that rank", size, peer, _shm_dir(), exc)
     try:
         wire.send_obj(sock, ("shm-offer", path, token, size), what)
         _, peer_path, peer_token, peer_size = wire.recv_obj(sock, what)
@@ -284,8 +284,24 @@ def negotiate_shm(
             except OSError:
                 pass
     if out_map is not None and in_map is not None and peer_mapped:
-        return ShmLink(sock, peer, out_map, in_map, slot_bytes, nslots, spin_s)
+        return out_map, in_map
     for mapping in (out_map, in_map):
         if mapping is not None:
             mapping.close()
     return None
+
+
+def negotiate_shm(
+    sock: socket.socket, peer: int, slot_bytes: int, nslots: int = DEFAULT_SLOTS,
+    tag: str = "job", spin_s: float = 0.0,
+) -> ShmLink | None:
+    """Try to set up a ShmLink with ``peer`` over its authenticated socket.
+
+    Both sides call this at the same point; it returns a link only if both could
+    map each other's segment (same host, same /dev/shm), else None on both sides.
+    ``tag`` (see ``job_tag``) names the files so a launcher can remove leftovers.
+    """
+    maps = negotiate_segments(sock, peer, _DATA_OFFSET + slot_bytes * nslots, tag)
+    if maps is None:
+        return None
+    return ShmLink(sock, peer, maps[0], maps[1], slot_bytes, nslots, spin_s)
