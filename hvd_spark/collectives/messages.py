@@ -119,10 +119,21 @@ class Request:
     def __reduce_ex__(self, protocol: int):
         # A plain tuple and raw bytes pickle several times faster than a dataclass
         # holding an ndarray: this goes over the wire with every request.
-        payload = _wire_bytes(self.payload, protocol)
-        return _request, (self.name, self.kind, self.dtype, self.shape, self.op, self.prescale,
-                          self.postscale, self.root, self.splits, self.members, self.error,
-                          self.device, self.layout, payload, self.lane)
+        return _request, self.fields(protocol)
+
+    def fields(self, protocol: int = 5) -> tuple:
+        """The request as a plain tuple (``from_fields`` rebuilds it). The control
+        sockets send requests so: pickling one by reference to its rebuilding function
+        costs the sender and the receiver about 2.5 us each in looking that function up,
+        a tenth of a small synchronous allreduce."""
+        return (self.name, self.kind, self.dtype, self.shape, self.op, self.prescale,
+                self.postscale, self.root, self.splits, self.members, self.error,
+                self.device, self.layout, _wire_bytes(self.payload, protocol), self.lane)
+
+    @staticmethod
+    def from_fields(fields: tuple) -> Request:
+        """The request ``fields`` describes (see ``fields``)."""
+        return _request(*fields)
 
     @property
     def nbytes(self) -> int:

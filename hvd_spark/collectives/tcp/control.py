@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 # How long a leaving rank waits for the others' goodbyes (and its backlog to go out).
 _BYE_WAIT_S = 10.0
+# Control messages that carry requests, held per peer (``_hold``) and sent as tuples.
+_REQUEST_KINDS = ("req", "pair")
 # How long rank 0 tries to tell a peer why it stops, before closing tells it anyway.
 _ABORT_SEND_S = 1.0
 
@@ -82,7 +84,8 @@ class ControlMixin:
         if held:
             # Pickled now: a snapshot of the tensors riding along, taken before any
             # reduction into them (pairs are decided only after this, see _decide).
-            frames = [*(wire.encode_obj(item, pooled=True) for item in held), *frames]
+            frames = [*(wire.encode_obj((kind, [r.fields() for r in requests]), pooled=True)
+                        for kind, requests in held), *frames]
             held.clear()
         if not frames:
             return
@@ -155,12 +158,15 @@ class ControlMixin:
     def _recv_control(self, peer: int, sock: socket.socket) -> tuple[str, object]:
         """The next control message from ``peer``: (kind, payload)."""
         try:
-            return wire.recv_obj(sock, f"rank {peer}", pooled=True)
+            kind, payload = wire.recv_obj(sock, f"rank {peer}", pooled=True)
         except PeerDisconnectedError:
             raise PeerDisconnectedError(
                 f"rank {peer} disconnected (it exited or was killed) while rank {self.rank} "
                 f"was still running; see rank {peer}'s log for its error"
             ) from None
+        if kind in _REQUEST_KINDS:  # sent as tuples (see ``Request.fields``)
+            payload = [m.Request.from_fields(fields) for fields in payload]
+        return kind, payload
 
     def _tell_others(self, failure: BaseException | None) -> None:
         """Rank 0: pass the reason it stopped to every rank before closing, so they fail

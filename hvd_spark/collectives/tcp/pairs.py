@@ -231,23 +231,25 @@ class PairingMixin:
         return entry
 
     def _view_lane(self, requests: list[m.Request]) -> None:
-        """Give the requests whose tensors crossed the lane a view of it as payload."""
-        for request in requests:
+        """Replace, in ``requests``, those whose tensors crossed the lane by the same
+        request with a view of the lane as payload (requests are values: never changed)."""
+        for i, request in enumerate(requests):
             if request.lane is not None and request.payload is None:
-                request.payload = self._lane.view(request.lane, request.dtype,
-                                                  math.prod(request.shape))
+                view = self._lane.view(request.lane, request.dtype, math.prod(request.shape))
+                requests[i] = dataclasses.replace(request, payload=view)
 
     def _settle_lane(self, requests: list[m.Request]) -> None:
-        """Copy out the tensors of requests that crossed the lane and free their
-        buffers: the usual path may read them any time later."""
+        """Replace, in ``requests``, those whose tensors crossed the lane by the same
+        request with a copy of the tensor, and free their buffers: the usual path may
+        read them any time later."""
         if self._lane is None:
             return
         self._view_lane(requests)
-        for request in requests:
+        for i, request in enumerate(requests):
             if request.lane is not None:
-                request.payload = request.payload.copy()
+                requests[i] = dataclasses.replace(request, payload=request.payload.copy(),
+                                                  lane=None)
                 self._lane.release(request.lane)
-                request.lane = None
 
     # ------------------------------------------------------------------ pairing
 
