@@ -1,7 +1,7 @@
 """Small-message allreduce latency: the MPI backend vs the TCP/shared-memory backend.
 
 ``python -m hvd_spark.bench latency [-np 2] [--sizes 1K,4K,64K] [--rounds 3]
-[--frameworks out_of_place,torch,tf,tf_function,tf_floor]`` alternates,
+[--frameworks out_of_place,torch,tf,tf_function,tf_floor,tf_py_floor]`` alternates,
 round by round, a job under ``hvdrun`` (TCP backend, shared memory between local ranks)
 and one under ``hvdrun --mpi``; inside the MPI job, raw ``MPI_Allreduce`` (mpi4py) is
 timed in the same processes, alternating with ours, as the floor. Each figure is the
@@ -26,8 +26,10 @@ from hvd_spark.bench.timing import parse_size
 _MARK = "LATENCY_JSON "
 # Timed besides numpy in place: numpy out of place (``allreduce(x)``: a fresh output per
 # call), torch, TensorFlow eager, TensorFlow inside tf.function, and a tf.function that
-# computes ``v + 1`` with no collective at all (TensorFlow's own cost of calling one).
-_FRAMEWORKS = ("out_of_place", "torch", "tf", "tf_function", "tf_floor")
+# computes ``v + 1`` with no collective at all (TensorFlow's own cost of calling one), and
+# one whose only node is an empty ``numpy_function`` (the round trip into Python that a
+# collective inside a tf.function makes: the floor ``tf_function`` is measured against).
+_FRAMEWORKS = ("out_of_place", "torch", "tf", "tf_function", "tf_floor", "tf_py_floor")
 
 
 def _mean_time(fn, iters: int) -> float:
@@ -62,6 +64,10 @@ def _framework_call(framework: str, count: int):
     if framework == "tf_floor":
         plus_one = tf.function(lambda v: v + 1)
         return lambda: plus_one(t)
+    if framework == "tf_py_floor":
+        identity = tf.function(lambda v: tf.numpy_function(lambda x: x, [v], tf.float32,
+                                                            stateful=True))
+        return lambda: identity(t)
     graph = tf.function(lambda v: tfh.allreduce(v, op=tfh.Sum))
     return lambda: graph(t)
 

@@ -187,10 +187,19 @@ class Response:
 
     def __reduce_ex__(self, protocol: int):
         # As Request: the result travels as raw bytes (its dtype is the entries').
-        data = _wire_bytes(self.data, protocol)
-        return _response, (self.kind, self.names, self.error, self.first_dims, self.splits,
-                           self.members, self.joined, self.templates, self.result, data,
-                           self.chunk_bytes)
+        return _response, self.fields(protocol)
+
+    def fields(self, protocol: int = 5) -> tuple:
+        """The response as a plain tuple, as the control sockets send it (see
+        ``Request.fields``); ``from_fields`` rebuilds it."""
+        return (self.kind, self.names, self.error, self.first_dims, self.splits,
+                self.members, self.joined, self.templates, self.result,
+                _wire_bytes(self.data, protocol), self.chunk_bytes)
+
+    @staticmethod
+    def from_fields(fields: tuple) -> Response:
+        """The response ``fields`` describes (see ``fields``)."""
+        return _response(*fields)
 
 
 def _response(kind, names, error, first_dims, splits, members, joined, templates, result,

@@ -167,3 +167,24 @@ def test_frames_to_a_closed_peer_name_it():
     with pytest.raises(PeerDisconnectedError, match="rank 3"):
         wire.send_frames(a, [b"x" * (1 << 20)] * 3, "rank 3")
     a.close()
+
+
+def test_requests_and_responses_cross_the_control_socket_as_their_fields():
+    """The engine sends requests and responses as plain tuples (``fields``) and rebuilds
+    them on arrival; tensors still leave the pickle past the in-band limit."""
+    big = np.arange(float(BIG))
+    requests = [_request(big, "big"), _request(np.arange(3.0), "small"),
+                m.Request("lane", m.ALLREDUCE, "float32", (1024,), lane=7)]
+    response = m.Response(m.ALLREDUCE, ("big",), data=big, chunk_bytes=8192)
+    frames = [wire.encode_obj(("req", [r.fields() for r in requests])),
+              wire.encode_obj(("resp", [response.fields()]))]
+    assert bytes(frames[0][:1]) == b"B" and BIG * 8 < len(frames[0]) < BIG * 8 + 1024
+    _, got = wire.decode_obj(frames[0])
+    got = [m.Request.from_fields(f) for f in got]
+    assert got == requests  # the fields ranks agree on
+    assert got[0].payload.tobytes() == big.tobytes() and got[1].payload.tolist() == [0, 1, 2]
+    assert got[2].payload is None and got[2].lane == 7
+    _, (fields,) = wire.decode_obj(frames[1])
+    back = m.Response.from_fields(fields)
+    assert back == response and back.chunk_bytes == 8192
+    assert np.frombuffer(back.data, np.float64).tobytes() == big.tobytes()

@@ -164,8 +164,11 @@ class ControlMixin:
                 f"rank {peer} disconnected (it exited or was killed) while rank {self.rank} "
                 f"was still running; see rank {peer}'s log for its error"
             ) from None
-        if kind in _REQUEST_KINDS:  # sent as tuples (see ``Request.fields``)
+        # Requests and responses travel as tuples (see ``Request.fields``).
+        if kind in _REQUEST_KINDS:
             payload = [m.Request.from_fields(fields) for fields in payload]
+        elif kind == "resp":
+            payload = [m.Response.from_fields(fields) for fields in payload]
         return kind, payload
 
     def _tell_others(self, failure: BaseException | None) -> None:

@@ -362,7 +362,8 @@ class TcpEngine(PairingMixin, ControlMixin, EngineCore):
         self._first_ready = None
         responses = coord.take_responses()
         self._taken(coord, responses)
-        frame = wire.encode_obj(("resp", responses), pooled=True)  # once for every rank
+        frame = wire.encode_obj(("resp", [r.fields() for r in responses]),  # once for all
+                                pooled=True)
         with self._send_lock:  # callers' threads hold pair copies for these sockets too
             for peer in self._control:
                 self._send(peer, [frame])

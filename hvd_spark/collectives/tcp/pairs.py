@@ -410,5 +410,5 @@ class PairingMixin:
             self._pair_warned.discard(name)
             response = m.Response(m.ALLREDUCE, (name,), error=stall_error(name, [1], limit))
             with self._send_lock:
-                self._send(1, [wire.encode_obj(("resp", [response]))])
+                self._send(1, [wire.encode_obj(("resp", [response.fields()]))])
             self._execute(response)
