@@ -188,3 +188,13 @@ def test_requests_and_responses_cross_the_control_socket_as_their_fields():
     back = m.Response.from_fields(fields)
     assert back == response and back.chunk_bytes == 8192
     assert np.frombuffer(back.data, np.float64).tobytes() == big.tobytes()
+
+
+def test_a_request_with_another_payload_is_a_new_request_of_the_same_fields():
+    original = m.Request("t", m.ALLREDUCE, "float64", (3,), op=2, prescale=0.5,
+                         postscale=2.0, members=(0, 1), payload=np.arange(3.0))
+    moved = original.with_payload(None, 4)
+    assert moved == original and moved is not original
+    assert moved.fields()[:13] == original.fields()[:13]
+    assert (moved.payload, moved.lane) == (None, 4)
+    assert original.payload.tolist() == [0.0, 1.0, 2.0] and original.lane is None

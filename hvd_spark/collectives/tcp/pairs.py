@@ -11,7 +11,6 @@ entry, handle or cycle.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
@@ -182,7 +181,7 @@ class PairingMixin:
         lane = self._lane
         if lane is not None and (nbytes >= LANE_MIN_BYTES or nbytes > self.lone_eager_bytes) \
                 and lane.can_post(nbytes):
-            request = dataclasses.replace(request, payload=None, lane=lane.post(request.payload))
+            request = request.with_payload(None, lane.post(request.payload))
         with self._send_lock:
             with self._lock:
                 self._hold(peer, "pair" if self._coordinator is not None else "req", [request])
@@ -236,7 +235,7 @@ class PairingMixin:
         for i, request in enumerate(requests):
             if request.lane is not None and request.payload is None:
                 view = self._lane.view(request.lane, request.dtype, math.prod(request.shape))
-                requests[i] = dataclasses.replace(request, payload=view)
+                requests[i] = request.with_payload(view, request.lane)
 
     def _settle_lane(self, requests: list[m.Request]) -> None:
         """Replace, in ``requests``, those whose tensors crossed the lane by the same
@@ -247,8 +246,7 @@ class PairingMixin:
         self._view_lane(requests)
         for i, request in enumerate(requests):
             if request.lane is not None:
-                requests[i] = dataclasses.replace(request, payload=request.payload.copy(),
-                                                  lane=None)
+                requests[i] = request.with_payload(request.payload.copy())
                 self._lane.release(request.lane)
 
     # ------------------------------------------------------------------ pairing
