@@ -19,18 +19,15 @@ within the caches the add is so cheap that the fixed cost of a collective domina
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import shutil
 import socket
 import statistics
-import subprocess
 import sys
-from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hvd_spark.bench.mpi_peer import run_mpi
 from hvd_spark.bench.timing import (
     DEFAULT_SIZES,
     busbw,
@@ -159,57 +156,6 @@ def _resnet_case(hvd, gloo, reduce_max) -> dict:
     return out
 
 
-def mpi_worker(opts: dict) -> None:
-    """Run under mpirun: time MPI Allreduce (in place) and print JSON from rank 0."""
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rows = []
-    for nbytes in opts["sizes"]:
-        arr = np.zeros(nbytes // 4, np.float32)
-        iters = iterations(nbytes, opts["budget"])
-        seconds = time_loop(
-            lambda arr=arr: comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM), iters, comm.Barrier,
-            lambda s: comm.allreduce(s, op=MPI.MAX))
-        rows.append({"bytes": arr.nbytes, "mpi": seconds})
-    if comm.rank == 0:
-        print("MPIRESULT " + json.dumps(rows), flush=True)
-
-
-def run_mpi(num_proc: int, argv: list[str], mpirun_args: Sequence[str] = ("--oversubscribe",),
-            wrap: Callable[[list[str]], list[str]] = list) -> tuple[list[dict], str]:
-    """Run the MPI peer under mpirun; returns rows and a description (or why it is absent).
-
-    Args:
-        num_proc: Ranks.
-        argv: The benchmark's own options for ``mpi_worker`` (sizes, budget).
-        mpirun_args: mpirun's options before the program (hosts, MCA settings).
-        wrap: Turns mpirun's command line into the one to run (e.g. inside a namespace).
-    """
-    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return [], "MPI: mpi4py not installed"
-    if mpirun is None:
-        return [], "MPI: no mpirun found"
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           # Its daemons on other hosts find prted and python on this PATH.
-           "PATH": os.path.dirname(mpirun) + os.pathsep + os.environ.get("PATH", "")}
-    env = {k: v for k, v in env.items() if not k.startswith("HVD_SPARK_")}
-    cmd = wrap([mpirun, "-np", str(num_proc), *mpirun_args, sys.executable, "-m",
-                "hvd_spark.bench.allreduce", "--mpi-worker", *argv])
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    except subprocess.TimeoutExpired:
-        return [], "MPI: mpirun timed out"
-    for line in proc.stdout.splitlines():
-        if line.startswith("MPIRESULT "):
-            version = subprocess.run([mpirun, "--version"], capture_output=True, text=True)
-            return json.loads(line[len("MPIRESULT "):]), version.stdout.splitlines()[0]
-    return [], f"MPI: mpirun failed: {proc.stderr.strip()[-300:]}"
-
-
 def _torch_grouped(shapes):
     """``hvd_spark.torch.grouped_allreduce_`` of CPU tensors (None without torch)."""
     try:
@@ -273,7 +219,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peers", default="gloo,mpi", help="peers to compare: gloo,mpi or none")
     p.add_argument("--budget-mb", type=float, default=1024, help="bytes reduced per size, MB")
     p.add_argument("--no-resnet", action="store_true", help="skip the ResNet-50 gradient case")
-    p.add_argument("--mpi-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: CUDA buffers, hvd_spark's device path (NCCL / CUDA IPC) vs host "
                         "staging vs torch.distributed")
@@ -303,9 +248,6 @@ def main(argv: list[str]) -> int:
     opts = {"sizes": [parse_size(s) for s in args.sizes.split(",")],
             "peers": args.peers.split(","), "budget": args.budget_mb * 1e6,
             "resnet": not args.no_resnet}
-    if args.mpi_worker:
-        mpi_worker(opts)
-        return 0
     worker_argv = ["--sizes", args.sizes, "--budget-mb", str(args.budget_mb)]
     if "HVD_SPARK_RANK" in os.environ:
         result = rank_main(opts)

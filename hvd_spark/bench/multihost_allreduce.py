@@ -151,7 +151,7 @@ def mpi_across(net: NetnsHosts, ranks_per_host: int, sizes: list[int],
     """Open MPI's Allreduce on the same hosts: mpirun on the first host, its daemons on the
     others through ``_ssh_agent``; TCP (the tcp BTL) between hosts, shared memory within.
     Returns the rows and mpirun's version (or why there are none)."""
-    from hvd_spark.bench.allreduce import run_mpi
+    from hvd_spark.bench.mpi_peer import run_mpi
 
     subnet = net.addrs[0].rsplit(".", 1)[0] + ".0/24"
     with tempfile.TemporaryDirectory() as folder:
