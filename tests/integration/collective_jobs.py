@@ -108,12 +108,18 @@ def eager_paths() -> dict:
     out["reshaped"] = [hvd.allreduce(np.ones(k) * (r + 1), name="same", op=hvd.Sum).tolist()
                        for k in (1, 5, 2)]
     # Either side of the limit: the same values, one eager and one through the ring (a
-    # synchronous call's limit: ``lone_eager_bytes``, past 64 KB out of the pickle).
+    # synchronous call's limit: ``lone_eager_bytes``, past 64 KB out of the pickle); with
+    # two ranks on one host the one above crosses the express lane instead of the ring.
     limit_rows = engine.lone_eager_bytes // 8
+    lane = getattr(engine.comm, "express_lane", None)
     before = engine.executed_eager
     at = hvd.allreduce(np.arange(limit_rows, dtype=np.float64) + r, op=hvd.Sum)
-    above = hvd.allreduce(np.arange(limit_rows + 1, dtype=np.float64) + r, op=hvd.Sum)
     out["at_limit_eager"] = engine.executed_eager - before == 1
+    before, posts = engine.executed_eager, (lane.posted if lane is not None else 0)
+    above = hvd.allreduce(np.arange(limit_rows + 1, dtype=np.float64) + r, op=hvd.Sum)
+    out["above_path_ok"] = (engine.executed_eager - before == 0 if lane is None
+                            else lane.posted - posts == 1)
+    out["above_lane"] = lane is not None
     out["at_ok"] = bool((at == n * np.arange(limit_rows) + sum(range(n))).all())
     out["above_ok"] = bool((above == n * np.arange(limit_rows + 1) + sum(range(n))).all())
     # Several threads waiting at once: whoever drives completes the others' operations.

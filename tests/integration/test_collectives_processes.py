@@ -46,6 +46,8 @@ def test_eager_small_allreduces_match_numpy_and_agree_bitwise(num_proc):
         s = sum(range(1, n + 1))
         assert out["reshaped"] == [[s] * 1, [s] * 5, [s] * 2]
         assert out["at_limit_eager"] and out["at_ok"] and out["above_ok"]
+        assert out["above_path_ok"], out["above_lane"]
+        assert out["above_lane"] == (n == 2)  # two ranks on this host: the lane
         assert out["threads"] == {t: [float(n * t + sum(range(n)))] * 20 for t in range(4)}
         assert out["unwaited_done"] and out["unwaited"] == [float(s)] * 2
         # Everything small above went eager (tensors submitted together fuse into one
