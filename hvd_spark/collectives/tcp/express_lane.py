@@ -133,5 +133,6 @@ def negotiate_lane(sock: socket.socket, peer: int, capacity: int,
     lane (None on both), as when no shared segment could be mapped.
     """
     maps = negotiate_segments(sock, peer, _DATA_OFFSET + _BUFFERS * capacity, tag,
-                              offer=capacity > 0)
+                              offer=capacity > 0,
+                              instead="synchronous allreduces go without the express lane")
     return None if maps is None else ExpressLane(*maps)

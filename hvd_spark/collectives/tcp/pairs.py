@@ -80,8 +80,7 @@ class PairingMixin:
                 or array.dtype not in SUPPORTED_DTYPES
                 or (inplace and not array.flags.writeable)):
             return None
-        if array.nbytes > self.lone_eager_bytes and not (
-                self._lane is not None and self._lane.can_post(array.nbytes)):
+        if array.nbytes > self.lone_eager_bytes and not self._takes_lane(array.nbytes):
             return None  # too large to ride inline, and no lane (or its buffer is busy)
         try:  # as the usual path reads them; it names what is wrong, too
             op, postscale = ReduceOp(op), float(postscale)
@@ -178,11 +177,8 @@ class PairingMixin:
         (pickled now: before any reduction into the tensor riding along); from
         ``LANE_MIN_BYTES`` on, or above the inline limit, its tensor crosses the lane."""
         peer = 1 - self.rank
-        nbytes = request.payload.nbytes
-        lane = self._lane
-        if lane is not None and (nbytes >= LANE_MIN_BYTES or nbytes > self.lone_eager_bytes) \
-                and lane.can_post(nbytes):
-            request = request.with_payload(None, lane.post(request.payload))
+        if self._takes_lane(request.payload.nbytes):
+            request = request.with_payload(None, self._lane.post(request.payload))
         with self._send_lock:
             with self._lock:
                 self._hold(peer, "pair" if self._coordinator is not None else "req", [request])
@@ -229,6 +225,14 @@ class PairingMixin:
             self._on_message(1 - self.rank, *frame)
         self._run_pairs()
         return entry
+
+    def _takes_lane(self, nbytes: int) -> bool:
+        """Whether an express tensor of ``nbytes`` crosses the lane: from
+        ``LANE_MIN_BYTES`` on (or above the inline limit), when a buffer is free. Once
+        true it stays true until the tensor is posted (only the peer frees buffers)."""
+        return (self._lane is not None
+                and (nbytes >= LANE_MIN_BYTES or nbytes > self.lone_eager_bytes)
+                and self._lane.can_post(nbytes))
 
     def _view_lane(self, requests: list[m.Request]) -> None:
         """Replace, in ``requests``, those whose tensors crossed the lane by the same

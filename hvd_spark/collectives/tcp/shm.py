@@ -250,7 +250,8 @@ def _open_segment(path: str, token: bytes, size: int) -> mmap.mmap | None:
 
 
 def negotiate_segments(sock: socket.socket, peer: int, size: int, tag: str = "job",
-                       offer: bool = True) -> tuple[mmap.mmap, mmap.mmap] | None:
+                       offer: bool = True, instead: str = "using TCP with that rank",
+                       ) -> tuple[mmap.mmap, mmap.mmap] | None:
     """Map a segment of ``size`` bytes each way with ``peer``, over its authenticated socket.
 
     Both sides call this at the same point; it returns (the segment this rank writes, the
@@ -258,6 +259,7 @@ def negotiate_segments(sock: socket.socket, peer: int, size: int, tag: str = "jo
     else None on both sides. ``tag`` (see ``job_tag``) names the files so a launcher can
     remove leftovers; the files are unlinked before this returns. A rank that does not
     ``offer`` a segment takes part in the exchange and gets None, as does its peer.
+    ``instead`` ends the warning logged when this rank cannot reserve its segment.
     """
     what = f"rank {peer}"
     path, token, out_map = "", b"", None
@@ -266,7 +268,7 @@ def negotiate_segments(sock: socket.socket, peer: int, size: int, tag: str = "jo
             path, token, out_map = _create_segment(size, tag)
         except OSError as exc:
             log.warning("cannot reserve %d bytes of shared memory for rank %d in %s (%s); "
-                        "using TCP with that rank", size, peer, _shm_dir(), exc)
+                        "%s", size, peer, _shm_dir(), exc, instead)
     try:
         wire.send_obj(sock, ("shm-offer", path, token, size), what)
         _, peer_path, peer_token, peer_size = wire.recv_obj(sock, what)
