@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp import readiness, wire
 from hvd_spark.collectives.tcp.store import StoreClient, StoreServer
 from hvd_spark.errors import (
     AuthenticationError,
@@ -155,19 +155,46 @@ def test_recv_exact_names_a_closed_peer_and_a_timeout():
     b.close()
 
 
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_send_pieces_now_sends_what_fits_and_returns_the_rest_in_order(timeout):
+    """With a deadline the descriptor is written directly (non-blocking), without one
+    through the timeout switch: either way a full socket takes what fits, never waits,
+    and what is left follows in order; a message already there is read at once."""
+    a, b = socket.socketpair()
+    a.settimeout(timeout)
+    b.settimeout(timeout)
+    frames = [bytes([i]) * 300_000 for i in range(4)]  # more than the socket holds
+    rest = wire.send_pieces_now(a, wire.frame_pieces(frames), "rank 1")
+    assert rest and sum(p.nbytes for p in rest) < sum(len(f) + 8 for f in frames)
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(
+        wire.recv_frame(b, "rank 0") for _ in frames))
+    reader.start()
+    wire.send_pieces(a, rest, "rank 1")
+    reader.join(10)
+    assert [bytes(f) for f in received] == frames
+    wire.send_frame(a, b"small")
+    assert wire.recv_frame(b) == b"small"
+    b.close()
+    with pytest.raises(PeerDisconnectedError, match="rank 1 dropped the connection"):
+        for _ in range(100):  # the first may still go into the socket's buffer
+            wire.send_pieces_now(a, wire.frame_pieces([b"x" * 1000]), "rank 1")
+    a.close()
+
+
 def test_poll_readable_returns_on_data_or_when_the_spin_is_over():
     import time
 
     a, b = socket.socketpair()
     start = time.monotonic()
-    assert wire.poll_readable([b], 0.05) == []  # nothing comes: it gives up after the spin
+    assert readiness.poll_readable([b], 0.05) == []  # nothing comes: it gives up after the spin
     assert 0.05 <= time.monotonic() - start < 1.0
     start = time.monotonic()
-    assert wire.poll_readable([b], 0.0) == []  # no spin: at once
+    assert readiness.poll_readable([b], 0.0) == []  # no spin: at once
     assert time.monotonic() - start < 0.05
     threading.Timer(0.02, lambda: a.sendall(b"x")).start()
     start = time.monotonic()
-    assert wire.poll_readable([a, b], 5.0) == [b]  # when the byte arrives, long before 5 s
+    assert readiness.poll_readable([a, b], 5.0) == [b]  # when the byte arrives, long before 5 s
     assert time.monotonic() - start < 2.0 and b.recv(1) == b"x"
     a.close()
     b.close()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp import readiness, wire
 from hvd_spark.errors import ConfigError, PeerDisconnectedError
 
 
@@ -54,15 +54,15 @@ def test_waiting_for_data_works_past_select_s_descriptor_limit(high):
             fd = os.dup2(b.fileno(), 1500)  # a descriptor select() cannot take
             b.close()
             b = socket.socket(fileno=fd)
-        assert wire.wait_readable([b], 0.0) == []
+        assert readiness.wait_readable([b], 0.0) == []
         started = time.monotonic()
-        assert wire.wait_readable([b], 0.05) == []
+        assert readiness.wait_readable([b], 0.05) == []
         assert time.monotonic() - started >= 0.04
         a.sendall(b"x")
-        assert wire.wait_readable([a, b], 1.0) == [b]
-        assert wire.poll_readable([b], 0.01) == [b]
+        assert readiness.wait_readable([a, b], 1.0) == [b]
+        assert readiness.poll_readable([b], 0.01) == [b]
         a.close()  # the peer's close is readable too (recv then says so)
-        assert wire.wait_readable([b], 1.0) == [b]
+        assert readiness.wait_readable([b], 1.0) == [b]
     finally:
         a.close()
         b.close()

@@ -17,7 +17,7 @@ import threading
 import time
 
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp import readiness, wire
 from hvd_spark.errors import HvdSparkError, PeerDisconnectedError
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class ControlMixin:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            readable = wire.wait_readable(list(self._control.values()), left)
+            readable = readiness.wait_readable(list(self._control.values()), left)
             for sock in readable:
                 peer = self._sock_rank[sock.fileno()]
                 kind, _ = wire.recv_obj(sock, f"rank {peer}")

@@ -20,7 +20,7 @@ import numpy as np
 
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import nbytes_of
-from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp import readiness
 from hvd_spark.collectives.tcp.links import HEADER, KIND_DATA, TcpLink, as_bytes, check_header
 from hvd_spark.errors import CollectiveTimeoutError, PeerDisconnectedError
 
@@ -165,7 +165,7 @@ def exchange(send_link: TcpLink, send_views: Sequence[np.ndarray], recv_link: Tc
                 continue
             readable = [rsock] if not inc.done() else []
             writable = [ssock] if not out.done() else []
-            if not wire.wait_ready(readable, writable, timeout):
+            if not readiness.wait_ready(readable, writable, timeout):
                 waiting = sorted(({recv_link.peer} if readable else set())
                                  | ({send_link.peer} if writable else set()))
                 raise CollectiveTimeoutError(

@@ -27,7 +27,7 @@ from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
 from hvd_spark.collectives.operations import Entry
 from hvd_spark.collectives.pairing import pairable
-from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp import readiness, wire
 from hvd_spark.collectives.tcp.control import ControlMixin
 from hvd_spark.collectives.tcp.pairs import PairingMixin
 from hvd_spark.config import EngineConfig
@@ -226,7 +226,7 @@ class TcpEngine(PairingMixin, ControlMixin, EngineCore):
         try:
             if self._drivers:
                 return  # it came meanwhile (it saw _watching unset, or will wake us)
-            readable = wire.wait_readable([self._wake_r, *self._control.values()], timeout)
+            readable = readiness.wait_readable([self._wake_r, *self._control.values()], timeout)
             if (readable == [self._wake_r] and (self._queue or any(self._outbox.values()))
                     and not self._drivers):
                 time.sleep(_GRACE_S)  # then park if the submitter came to drive
@@ -249,9 +249,9 @@ class TcpEngine(PairingMixin, ControlMixin, EngineCore):
         self._flush()  # before blocking: the answers to these are what it waits for
         timeout = 0.0 if self._queue or decided else min(max_wait, self._next_timeout())
         watched = [self._wake_r, *self._control.values()]
-        readable = wire.poll_readable(watched, min(spin, timeout))
+        readable = readiness.poll_readable(watched, min(spin, timeout))
         if not readable:
-            readable = wire.wait_readable(watched, timeout)
+            readable = readiness.wait_readable(watched, timeout)
         new = self._drain_local(self._wake_r in readable)
         self._flush()  # what was submitted until the wake was read (see _drain_wake)
         tl = timeline.current() if self._coordinator is not None else None
@@ -281,7 +281,7 @@ class TcpEngine(PairingMixin, ControlMixin, EngineCore):
         peer = self._sock_rank[sock.fileno()]
         for _ in range(_FRAMES_PER_CYCLE):
             self._on_control(peer, sock)
-            if self._failure is not None or not wire.wait_readable([sock], 0.0):
+            if self._failure is not None or not readiness.wait_readable([sock], 0.0):
                 return
 
     def _add_own(self, new: list[Entry]) -> None:

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp import readiness, wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.errors import (
     AuthenticationError,
@@ -74,7 +74,7 @@ class _Acceptor:
         # with a short timeout so stop() ends this thread instead of leaking it.
         while not self._stop.is_set():
             try:
-                readable = wire.wait_readable(self._listeners, _ACCEPT_POLL_S)
+                readable = readiness.wait_readable(self._listeners, _ACCEPT_POLL_S)
                 if not readable:
                     continue
                 conn, peer = readable[0].accept()

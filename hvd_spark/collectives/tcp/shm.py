@@ -26,7 +26,7 @@ import numpy as np
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import nbytes_of
 from hvd_spark.collectives.communicator import may_poll
-from hvd_spark.collectives.tcp import wire
+from hvd_spark.collectives.tcp import readiness, wire
 from hvd_spark.collectives.tcp.links import (
     HEADER,
     KIND_SHM_ACK,
@@ -114,7 +114,7 @@ class ShmLink(Link):
     def _pump(self) -> None:
         """Read one notice from the peer and account for it."""
         if may_poll():  # for a waiting caller only: a background thread would steal compute
-            wire.poll_readable([self.sock], self.spin_s)
+            readiness.poll_readable([self.sock], self.spin_s)
         kind, nbytes = HEADER.unpack(wire.recv_exact(self.sock, HEADER.size, self._what))
         if kind == KIND_SHM_READY:
             self._ready.append(nbytes)

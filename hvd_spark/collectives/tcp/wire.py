@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import os
 import pickle
-import select
 import socket
 import struct
 import time
@@ -45,8 +43,6 @@ _ONE_RECV_BYTES = 64 * 1024
 _BUFFERS = b"B"
 _COUNT = struct.Struct("<I")
 _BUFFER_ALIGN = 16
-# select() takes file descriptors below this only (FD_SETSIZE).
-_SELECT_FD_LIMIT = 1024
 
 
 def _mac(secret: bytes, role: bytes, *parts: bytes) -> bytes:
@@ -73,8 +69,10 @@ def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer",
         recv_into_exact(sock, memoryview(buf), what)
         return buf
     try:
-        # A small message usually comes in one recv: no buffer to fill and copy out.
-        first = sock.recv(nbytes)
+        # A small message usually comes in one read: no buffer to fill and copy out.
+        first = _read_now(sock, nbytes)
+        if first is None:
+            first = sock.recv(nbytes)
     except TimeoutError:
         raise _recv_timeout(sock, what) from None
     except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as exc:
@@ -87,6 +85,21 @@ def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer",
     buf[: len(first)] = first
     recv_into_exact(sock, memoryview(buf)[len(first):], what)
     return bytes(buf)
+
+
+def _read_now(sock: socket.socket, nbytes: int) -> bytes | None:
+    """Up to ``nbytes`` that have arrived, or None when none has (b"" at the end).
+
+    A socket with a timeout polls before each recv (CPython's deadline), a system call
+    that costs 1-2 us on a VM where the data is usually there already; its descriptor
+    is non-blocking, so reading the descriptor itself just looks.
+    """
+    if sock.gettimeout() is None:
+        return None  # a blocking descriptor: read would wait without a deadline
+    try:
+        return os.read(sock.fileno(), nbytes)
+    except (BlockingIOError, InterruptedError):
+        return None
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, what: str = "peer") -> None:
@@ -103,72 +116,6 @@ def recv_into_exact(sock: socket.socket, view: memoryview, what: str = "peer") -
         raise _recv_timeout(sock, what) from None
     except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError) as exc:
         raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
-
-
-def wait_readable(socks: Sequence[socket.socket],
-                  timeout: float | None) -> list[socket.socket]:
-    """Those of ``socks`` that are readable (data, or the peer closed) within ``timeout``
-    seconds (None: no limit; 0: just look).
-
-    select(2), the cheapest, takes no descriptor from 1024 on (FD_SETSIZE); a process
-    holding many files gets such numbers (Spark raises the open-file limit), and select
-    then raised ValueError: those sets use poll(2), whose timeouts are whole
-    milliseconds (rounded up).
-    """
-    for sock in socks:  # (a loop: cheaper than all() on this hot path)
-        if sock.fileno() >= _SELECT_FD_LIMIT:
-            break
-    else:
-        return select.select(socks, [], [], timeout)[0]
-    return _poll(socks, (), timeout)
-
-
-def _poll(readable: Sequence[socket.socket], writable: Sequence[socket.socket],
-          timeout: float | None) -> list[socket.socket]:
-    """poll(2) for descriptors select(2) cannot take: the sockets that are ready."""
-    poller = select.poll()
-    by_fd = {}
-    for sock in [*readable, *writable]:
-        events = (select.POLLIN if sock in readable else 0) | (
-            select.POLLOUT if sock in writable else 0)
-        poller.register(sock, events)
-        by_fd[sock.fileno()] = sock
-    millis = None if timeout is None else math.ceil(max(0.0, timeout) * 1000)
-    return [by_fd[fd] for fd, _ in poller.poll(millis)]
-
-
-def wait_ready(readable: Sequence[socket.socket], writable: Sequence[socket.socket],
-               timeout: float | None) -> bool:
-    """Wait until one of ``readable`` can be read or one of ``writable`` written, at most
-    ``timeout`` seconds (None: no limit); False when the time ran out.
-
-    As ``wait_readable``: select(2) below descriptor 1024, poll(2) from there on.
-    """
-    if all(sock.fileno() < _SELECT_FD_LIMIT for sock in [*readable, *writable]):
-        ready = select.select(readable, writable, [], timeout)
-        return bool(ready[0] or ready[1])
-    return bool(_poll(readable, writable, timeout))
-
-
-def poll_readable(socks: list[socket.socket], spin_s: float) -> list[socket.socket]:
-    """Poll ``socks`` for up to ``spin_s`` seconds; return those readable (empty when the
-    time is up: the caller then blocks as usual).
-
-    A receiver blocked in the kernel makes its sender pay for the wake-up (50-70 us per
-    9-byte notice on a VM) and wakes up late itself; a polling one costs a microsecond
-    or two per look, and its sender nothing extra.
-    """
-    if spin_s <= 0:
-        return []  # then just block
-    until = time.monotonic() + spin_s
-    if any(s.fileno() >= _SELECT_FD_LIMIT for s in socks):
-        look = lambda: wait_readable(socks, 0.0)  # noqa: E731
-    else:
-        look = lambda: select.select(socks, [], [], 0.0)[0]  # noqa: E731
-    while True:
-        readable = look()
-        if readable or time.monotonic() >= until:
-            return readable
 
 
 def _recv_timeout(sock: socket.socket, what: str) -> CollectiveTimeoutError:
@@ -333,6 +280,10 @@ def send_pieces_now(sock: socket.socket, pieces: list[memoryview],
     """Send what of ``pieces`` the socket takes without waiting; returns the rest (empty
     when all went), to be sent later in order."""
     previous = sock.gettimeout()
+    if previous is not None:
+        # Its descriptor is non-blocking (CPython's deadline) and writev just returns
+        # what fit: no switching the timeout off and on (1-2 us a small frame).
+        return _write_now(sock, pieces, what)
     sock.settimeout(0.0)  # else CPython waits for room up to the timeout
     try:
         while pieces:
@@ -342,6 +293,20 @@ def send_pieces_now(sock: socket.socket, pieces: list[memoryview],
                 break
     finally:
         sock.settimeout(previous)
+    return pieces
+
+
+def _write_now(sock: socket.socket, pieces: list[memoryview], what: str) -> list[memoryview]:
+    """``send_pieces_now`` on a non-blocking descriptor."""
+    fd = sock.fileno()
+    try:
+        while pieces:
+            sent = os.writev(fd, pieces[:_PIECES_PER_SENDMSG])
+            pieces = _unsent(pieces, sent)
+    except (BlockingIOError, InterruptedError):
+        pass
+    except OSError as exc:
+        raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
     return pieces
 
 
@@ -355,6 +320,11 @@ def _sendmsg(sock: socket.socket, pieces: list[memoryview], what: str) -> list[m
         raise _send_timeout(sock, what) from None
     except OSError as exc:
         raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+    return _unsent(pieces, sent)
+
+
+def _unsent(pieces: list[memoryview], sent: int) -> list[memoryview]:
+    """What of ``pieces`` is left after ``sent`` bytes of them went."""
     done = 0
     while done < len(pieces) and sent >= pieces[done].nbytes:  # what went in full
         sent -= pieces[done].nbytes
