@@ -87,6 +87,38 @@ def express_rounds(count: int, slow_rank: int | None = None, delay_s: float = 0.
     return out
 
 
+def calls_while_the_progress_lock_is_busy(count: int, hold_s: float) -> dict:
+    """``count`` 3 MB in-place Sums; on rank 1 another thread holds the engine's progress
+    lock for ``hold_s`` as each call comes, as the background thread does when the
+    peer's request of that very call woke it (it copies the tensor out of the lane)."""
+    hvd.init()
+    engine, r = _engine(), hvd.rank()
+    hvd.barrier()
+    before = (engine.express_rounds, engine.express_fallbacks)
+    ok = True
+    for i in range(count):
+        x = np.full((3 << 20) // 4 + 3, float(r + i), np.float32)
+        holder = None
+        if r == 1:
+            held = threading.Event()
+
+            def hold(held=held):
+                with engine._progress:
+                    held.set()
+                    time.sleep(hold_s)
+
+            holder = threading.Thread(target=hold)
+            holder.start()
+            held.wait(5)
+        hvd.allreduce_(x, name="busy", op=hvd.Sum)
+        if holder is not None:
+            holder.join()
+        ok = ok and bool(np.all(x == float(2 * i + 1)))
+    out = {"exact": ok, **_counters(engine, before)}
+    hvd.barrier()
+    return out
+
+
 def submission_during_express(rounds: int, delay_s: float) -> dict:
     """Rank 0's main thread waits in an express allreduce ``y`` that rank 1 calls only
     after ``x``, a large allreduce rank 1 submitted before a barrier (so rank 0's

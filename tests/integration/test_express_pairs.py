@@ -54,6 +54,19 @@ def test_a_slow_peer_hands_the_wait_to_the_usual_path():
     assert outs[1]["express"] >= count - 1, outs[1]
 
 
+def test_an_express_call_waits_briefly_for_the_progress_lock():
+    """After a pause between calls the background thread is unparked: the peer's request
+    of the next call wakes it, and it holds the progress lock while it copies that
+    tensor out of the lane. The call waits for the lock (2 ms here) and still runs
+    express, with the request the thread read, instead of taking the usual path."""
+    count = 6
+    outs = run_local(jobs.calls_while_the_progress_lock_is_busy, args=(count, 0.002),
+                     num_proc=2, env=ENV)
+    for r, out in enumerate(outs):
+        assert out["exact"], f"rank {r}: {out}"
+        assert out["express"] >= count - 1, f"rank {r}: {out}"
+
+
 def test_a_submission_from_another_thread_is_not_held_up_by_an_express_wait():
     """Rank 0 waits in an express allreduce that rank 1 reaches only after another of
     rank 0's threads submits ``x``: that submission is decided at once."""
@@ -71,27 +84,34 @@ def test_a_submission_from_another_thread_is_not_held_up_by_an_express_wait():
 
 # Above the inline limit (256 KB for two ranks) only the express lane carries a tensor.
 LANE_LIMIT = (1 << 20) + 12  # odd element counts for 4- and 8-byte types
+# Tensors this large take long enough to prepare that the background thread unparks
+# between calls (and reads the peer's request of the next): express waits for it.
+LARGER = (3 << 20) + 12
 
 
-def test_tensors_up_to_the_lane_size_cross_shared_memory_exactly():
-    """Every dtype and op again, a quarter of the calls 1 MB: those cannot ride inline,
-    so they take the express lane (its posts count them) and reduce out of it."""
+@pytest.mark.parametrize("limit", [LANE_LIMIT, LARGER], ids=["1MB", "3MB"])
+def test_tensors_up_to_the_lane_size_cross_shared_memory_exactly(limit):
+    """Every dtype and op again, a quarter of the calls 1 MB (or 3 MB): those cannot
+    ride inline, so they take the express lane (its posts count them) and reduce out of
+    it. Between 3 MB calls the background thread unparks and takes the peer's request:
+    the express call waits for it and still runs the pair itself."""
     count = 16
-    outs = run_local(jobs.express_rounds, args=(count, None, 0.0, LANE_LIMIT), num_proc=2,
+    outs = run_local(jobs.express_rounds, args=(count, None, 0.0, limit), num_proc=2,
                      env=ENV)
     _check_results(outs, count)
-    large = sum(1 for i in range(count) if jobs.case_spec(i, LANE_LIMIT)["n"] > 256)
+    large = sum(1 for i in range(count) if jobs.case_spec(i, limit)["n"] > 256)
     for r, out in enumerate(outs):
         assert out["express"] >= count - 2, f"rank {r}: {out}"
         assert out["lane_posts"] >= large, f"rank {r}: {out}"
 
 
-def test_a_slow_peer_at_the_lane_size_hands_over_and_frees_the_buffers():
+@pytest.mark.parametrize("limit", [LANE_LIMIT, LARGER], ids=["1MB", "3MB"])
+def test_a_slow_peer_at_the_lane_size_hands_over_and_frees_the_buffers(limit):
     """Rank 1 comes late to every call: rank 0's tensors wait in the lane while its usual
     cycle takes over; rank 1 copies them out (freeing the buffers) and every result is
     exact, so the lane's two buffers never carry a tensor over one not yet read."""
     count = 8
-    outs = run_local(jobs.express_rounds, args=(count, 1, 0.06, LANE_LIMIT), num_proc=2,
+    outs = run_local(jobs.express_rounds, args=(count, 1, 0.06, limit), num_proc=2,
                      env=ENV)
     _check_results(outs, count)
     assert outs[0]["fallbacks"] >= count - 2, outs[0]
