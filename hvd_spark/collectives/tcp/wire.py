@@ -91,8 +91,9 @@ def _read_now(sock: socket.socket, nbytes: int) -> bytes | None:
     """Up to ``nbytes`` that have arrived, or None when none has (b"" at the end).
 
     A socket with a timeout polls before each recv (CPython's deadline), a system call
-    that costs 1-2 us on a VM where the data is usually there already; its descriptor
-    is non-blocking, so reading the descriptor itself just looks.
+    that costs 1-2 us on a VM where the data is usually there already. Python documents
+    that a socket in timeout mode has a non-blocking descriptor, so reading the
+    descriptor itself just looks.
     """
     if sock.gettimeout() is None:
         return None  # a blocking descriptor: read would wait without a deadline
