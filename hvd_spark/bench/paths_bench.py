@@ -53,7 +53,8 @@ def _rank(sizes: list[int], dtypes: list[str], rounds: int, budget: int,
     for dtype_name in dtypes:
         dtype = np.dtype(ml_dtypes.bfloat16 if dtype_name == "bfloat16" else dtype_name)
         for nbytes in sizes:
-            x = np.ones(nbytes // dtype.itemsize, dtype)
+            # Zeros: repeated in-place sums of ones overflow (numpy warns on every rank).
+            x = np.zeros(nbytes // dtype.itemsize, dtype)
             iters = max(2, min(50, budget // nbytes))
             paths = {"in": lambda x=x: hvd.allreduce_(x, op=op, name="b"),
                      "out": lambda x=x: hvd.allreduce(x, op=op, name="b")}
