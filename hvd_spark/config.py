@@ -411,7 +411,7 @@ class WorldInfo:
             rendezvous_addr=_env.require_str(_env.RENDEZVOUS_ADDR),
             secret=secret,
             hostname=_env.get_str(_env.HOSTNAME) or socket.gethostname(),
-            advertise_addr=_advertise_addr(),
+            advertise_addr=advertise_addr(),
         )
 
 
@@ -434,7 +434,7 @@ def _refuse_foreign_launcher() -> None:
                 f"{value} python train.py); without them each process would train alone")
 
 
-def _advertise_addr() -> str:
+def advertise_addr() -> str:
     """HVD_SPARK_ADVERTISE_ADDR, else the IPv4 address of HVD_SPARK_IFACE /
     HOROVOD_GLOO_IFACE, else "" (the address the rendezvous store sees)."""
     addr = _env.get_str(_env.ADVERTISE_ADDR)

@@ -12,7 +12,7 @@ that have a rank with the same ``local_rank``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from hvd_spark.errors import ConfigError
 
@@ -44,6 +44,10 @@ class RankInfo:
         host_gpus: The GPU addresses of the job's tasks on this host, in CUDA device order
             (``gpu_mapping.host_gpu_order``); empty without GPU scheduling.
         gpu_index: Index in ``host_gpus`` of the rank's own (first) GPU; None without one.
+        node_rank, num_nodes: Index of the rank's host among the job's hosts (in rank
+            order), and their number: torchrun's ``GROUP_RANK`` and ``GROUP_WORLD_SIZE``.
+        master_addr, master_port: Rank 0's address as the others reach it and a port found
+            free on its host (``torch_world``); empty and 0 until every task registered.
     """
 
     partition: int
@@ -56,6 +60,10 @@ class RankInfo:
     cross_size: int
     host_gpus: tuple[str, ...] = ()
     gpu_index: int | None = None
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = ""
+    master_port: int = 0
 
 
 def assign_ranks(slots: Sequence[TaskSlot]) -> dict[int, RankInfo]:
@@ -96,6 +104,29 @@ def assign_ranks(slots: Sequence[TaskSlot]) -> dict[int, RankInfo]:
                 local_size=len(local),
                 cross_rank=peers.index(host),
                 cross_size=len(peers),
+                node_rank=hosts.index(host),
+                num_nodes=len(hosts),
             )
             rank += 1
     return result
+
+
+def with_master(assignment: Mapping[int, RankInfo],
+                endpoints: Mapping[int, tuple[str, int] | None]) -> dict[int, RankInfo]:
+    """Give every rank rank 0's endpoint as its torch.distributed master.
+
+    Args:
+        assignment: Partition -> RankInfo, as ``assign_ranks`` returns it.
+        endpoints: Partition -> the ``(address, free port)`` its task found on its host, or
+            None from a task that sent none (then no rank gets a master).
+
+    Returns:
+        The same assignment with ``master_addr`` and ``master_port`` set.
+    """
+    first = next(p for p, info in assignment.items() if info.rank == 0)
+    endpoint = endpoints.get(first)
+    if endpoint is None:
+        return dict(assignment)
+    addr, port = endpoint
+    return {p: dataclasses.replace(info, master_addr=addr, master_port=int(port))
+            for p, info in assignment.items()}

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
@@ -26,7 +27,7 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import ConfigError, WorkerFailedError
-from hvd_spark.runner import worker
+from hvd_spark.runner import torch_world, worker
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
 from hvd_spark.runner.launcher import Launcher
@@ -44,13 +45,19 @@ def heartbeat_limit() -> float:
 
 
 def rank_env(rank: int, size: int, store_port: int, secret: bytes,
-             heartbeat_s: float | None = None) -> dict[str, str]:
+             heartbeat_s: float | None = None, master_port: int | None = None,
+             run_id: str = "none") -> dict[str, str]:
     """The variables of one local rank: ours, and Horovod's and torch's names for them.
 
-    ``heartbeat_s`` defaults to ``heartbeat_limit()``.
+    ``heartbeat_s`` defaults to ``heartbeat_limit()``; with ``master_port`` (a port free
+    on this host) the rank also gets torchrun's world (``torch_world``) under ``run_id``.
     """
+    world = {} if master_port is None else torch_world.variables(
+        rank=rank, size=size, node_rank=0, num_nodes=1, run_id=run_id,
+        master_addr="127.0.0.1", master_port=master_port)
     return {
         **_env.rank_variables(rank, size, rank, size, 0, 1, socket.gethostname()),
+        **world,
         _env.RENDEZVOUS_ADDR: f"127.0.0.1:{store_port}",
         _env.SECRET: secret.hex(),
         _env.HEARTBEAT: str(heartbeat_limit() if heartbeat_s is None else heartbeat_s),
@@ -74,6 +81,7 @@ class LocalJob(Launcher):
         self.num_proc = config.num_proc
         self.timeouts = config.timeouts
         self.secret = secrets.token_bytes(32)
+        self.run_id = uuid.uuid4().hex[:12]
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.heartbeats = HeartbeatMonitor(self.timeouts.heartbeat_s, self._on_silent)
         self.store = StoreServer(self.secret, bind_host, {
@@ -105,9 +113,11 @@ class LocalJob(Launcher):
         """Start one process per rank running ``command`` (default: the published function)."""
         self._expect_reports = command is None
         command = WORKER_COMMAND if command is None else command
+        master_port = torch_world.free_port("127.0.0.1")
         for rank in range(self.num_proc):
             env = {**os.environ, **self._env, **rank_env(
-                rank, self.num_proc, self.store.port, self.secret, self.timeouts.heartbeat_s)}
+                rank, self.num_proc, self.store.port, self.secret, self.timeouts.heartbeat_s,
+                master_port, self.run_id)}
             # SIGTERM if the launcher dies: the rank may still flush its output.
             proc = start_tied(command, signal.SIGTERM, env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -22,6 +22,7 @@ from typing import IO
 
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
+from hvd_spark.runner import torch_world
 from hvd_spark.runner.local.local_launcher import LocalJob
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import RunConfig
@@ -89,7 +90,10 @@ def mpirun_command(num_proc: int, command: Sequence[str], env: dict[str, str],
     inherited = {k: v for k, v in os.environ.items()
                  if (k.startswith(_FORWARDED_PREFIXES) or k in _FORWARDED)
                  and k not in _env.LAUNCHER_VARS}
-    rank_env = {**inherited, **env, _env.BACKEND: "mpi", "PYTHONUNBUFFERED": "1"}
+    # hvdrun --mpi runs on this host: torch.distributed's master is here (torch_world).
+    master = {torch_world.MASTER_ADDR: "127.0.0.1",
+              torch_world.MASTER_PORT: str(torch_world.free_port("127.0.0.1"))}
+    rank_env = {**master, **inherited, **env, _env.BACKEND: "mpi", "PYTHONUNBUFFERED": "1"}
     full_env = {**os.environ, **rank_env}
     args = [mpirun, "-np", str(num_proc)]
     if implementation(mpirun) == OPEN_MPI:

@@ -11,9 +11,16 @@ import os
 import sys
 
 from hvd_spark import _env
+from hvd_spark.runner import torch_world
 
 #: Where Open MPI and MPICH (Hydra) put the rank of the process they start.
 MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
+#: torch's name -> where Open MPI, then MPICH, put the same number.
+_TORCH_FROM_MPI = {
+    _env.TORCH_WORLD_SIZE: ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
+    _env.TORCH_LOCAL_RANK: ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
+    _env.TORCH_LOCAL_WORLD_SIZE: ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"),
+}
 
 
 def mpi_rank(environ: dict[str, str] | None = None) -> str | None:
@@ -30,6 +37,16 @@ def main(argv: list[str]) -> int:
                          f"command... (needs one of {', '.join(MPI_RANK_VARIABLES)})\n")
         return 2
     os.environ[_env.RANK] = rank
+    # torchrun's names too, so torch.distributed code runs under hvdrun --mpi.
+    os.environ[_env.TORCH_RANK] = rank
+    for name, sources in _TORCH_FROM_MPI.items():
+        value = next((os.environ[v] for v in sources if v in os.environ), None)
+        if value is not None:
+            os.environ[name] = value
+    size = int(os.environ.get(_env.TORCH_WORLD_SIZE, "1"))
+    for name, value in torch_world.variables(rank=int(rank), size=size, node_rank=0,
+                                             num_nodes=1, run_id="mpi").items():
+        os.environ.setdefault(name, value)
     sys.stdout.flush()
     os.execvp(argv[0], argv)
     return 0  # not reached: exec replaced this process

@@ -18,6 +18,8 @@ import subprocess
 import sys
 import threading
 
+from hvd_spark.runner import torch_world
+
 _KILL_GRACE_S = 3.0
 _ENV_READ_TIMEOUT_S = 60.0
 
@@ -68,6 +70,7 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: python -m hvd_spark.runner.local.remote_rank COMMAND...\n")
         return 2
     env = {**os.environ, **_read_env()}
+    torch_world.fill_master(env, _ENV_READ_TIMEOUT_S)
     try:
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

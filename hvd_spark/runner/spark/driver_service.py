@@ -23,7 +23,7 @@ from hvd_spark.runner.gpu_mapping import place_gpus
 from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.progress_events import PROGRESS
-from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks
+from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks, with_master
 
 REGISTER = "register"
 LOG = "log"
@@ -65,6 +65,7 @@ class DriverService:
         self._cond = threading.Condition()
         self._slots: dict[int, TaskSlot] = {}
         self._gpus: dict[int, tuple[str, ...]] = {}
+        self._endpoints: dict[int, tuple[str, int] | None] = {}
         self._assignment: dict[int, RankInfo] | None = None
         self._stopped = False
         self.server = StoreServer(secret, bind_host, {
@@ -102,9 +103,12 @@ class DriverService:
             return dict(self._assignment or {})
 
     def _on_register(self, partition: int, host: str, timeout: float,
-                     gpus: tuple[str, ...] = ()) -> RankInfo:
+                     gpus: tuple[str, ...] = (),
+                     endpoint: tuple[str, int] | None = None) -> RankInfo:
         # Blocks the task until every task has registered, then returns its rank and, with
-        # ``gpus`` (its Spark GPU addresses), its host's GPU order (gpu_mapping).
+        # ``gpus`` (its Spark GPU addresses), its host's GPU order (gpu_mapping). Each task
+        # brings ``endpoint``, its address and a port free on its host: rank 0's becomes
+        # every rank's torch.distributed master (torch_world).
         with self._cond:
             if self._stopped:
                 raise HvdSparkError("this run was already stopped; the task is not needed")
@@ -114,11 +118,12 @@ class DriverService:
                     "a run is not restarted by Spark: call hvd_spark.run again")
             self._slots[partition] = TaskSlot(partition, host)
             self._gpus[partition] = tuple(gpus)
+            self._endpoints[partition] = endpoint
             now = time.time()
             self.first_registered_at = self.first_registered_at or now
             if len(self._slots) == self.num_proc:
-                self._assignment = place_gpus(assign_ranks(list(self._slots.values())),
-                                              self._gpus)
+                self._assignment = with_master(place_gpus(
+                    assign_ranks(list(self._slots.values())), self._gpus), self._endpoints)
                 self.all_registered_at = now
                 log.info("hvd_spark.run: ranks assigned: %s", ", ".join(
                     f"{i.rank} on {i.host} (local {i.local_rank}"

@@ -22,7 +22,9 @@ from typing import Any
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
+from hvd_spark.config import advertise_addr
 from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
+from hvd_spark.runner import torch_world
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.rendezvous import RankInfo
 from hvd_spark.runner.spark.driver_service import EXIT, REGISTER, TASK_ERROR
@@ -93,6 +95,10 @@ def child_env(
     env = early_env(base, spec)
     env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
                                    info.cross_rank, info.cross_size, info.host))
+    if info.master_port:
+        env.update(torch_world.variables(
+            rank=info.rank, size=info.size, node_rank=info.node_rank, num_nodes=info.num_nodes,
+            master_addr=info.master_addr, master_port=info.master_port, run_id=spec.run_id))
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         # CUDA's default order is fastest first; Spark's addresses are nvidia-smi's indices.
@@ -164,8 +170,11 @@ def _serve_rank(client: StoreClient, proc: subprocess.Popen, started_with: dict[
                 spec: TaskSpec, partition: int, host: str, task_gpus: list[str]) -> int:
     """Register, hand the worker its rank, relay its output until it ends; its exit code."""
     try:
+        # This host's address as the other ranks reach it, and a port free here: the
+        # torch.distributed master's, should this task become rank 0.
+        endpoint = (advertise_addr() or client.local_address, torch_world.free_port())
         info: RankInfo = client.call(REGISTER, partition, host, spec.start_timeout,
-                                     tuple(task_gpus), timeout=spec.start_timeout)
+                                     tuple(task_gpus), endpoint, timeout=spec.start_timeout)
         send_rank_env(proc, started_with, child_env(dict(os.environ), spec, info,
                                                     rank_gpus(spec, info), task_gpus))
     except Exception as exc:  # noqa: BLE001 - reported to the driver, then re-raised
