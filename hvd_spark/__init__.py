@@ -1,7 +1,8 @@
 """hvd_spark: Horovod-style distributed deep learning on Apache Spark, in pure Python.
 
-``hvd_spark.run``, ``hvd_spark.run_elastic``, ``hvd_spark.run_local``, ``SparkBackend`` and
-``get_available_devices`` (:mod:`hvd_spark.task`) are imported lazily so that importing the
+``hvd_spark.run``, ``hvd_spark.run_elastic``, ``hvd_spark.run_local``, ``TorchDistributor``,
+``HorovodRunner``, ``SparkBackend`` and ``get_available_devices`` (:mod:`hvd_spark.task`)
+are imported lazily so that importing the
 package costs nothing and pulls in no framework.
 """
 
@@ -11,8 +12,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["SparkBackend", "__version__", "get_available_devices", "run", "run_elastic",
-           "run_local"]
+__all__ = ["HorovodRunner", "SparkBackend", "TorchDistributor", "__version__",
+           "get_available_devices", "run", "run_elastic", "run_local"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,6 +29,14 @@ def __getattr__(name: str) -> Any:
         from hvd_spark.runner.elastic.elastic_spark import run_elastic
 
         return run_elastic
+    if name == "TorchDistributor":
+        from hvd_spark.runner.distributor import TorchDistributor
+
+        return TorchDistributor
+    if name == "HorovodRunner":
+        from hvd_spark.runner.horovod_runner import HorovodRunner
+
+        return HorovodRunner
     if name == "SparkBackend":
         from hvd_spark.runner.backend import SparkBackend
 

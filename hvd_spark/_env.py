@@ -80,6 +80,8 @@ HVDRUN_LAUNCHER = "HVD_SPARK_HVDRUN_LAUNCHER"
 
 # Set by the elastic launchers: the worker joins generations instead of reading a fixed rank.
 ELASTIC = "HVD_SPARK_ELASTIC"
+#: "1": ranks serve ``import horovod...`` through ``hvd_spark.compat`` (HorovodRunner sets it).
+HOROVOD_ALIAS = "HVD_SPARK_HOROVOD_ALIAS"
 WORKER_ID = "HVD_SPARK_WORKER_ID"
 ELASTIC_TIMEOUT = "HVD_SPARK_ELASTIC_TIMEOUT"
 

@@ -87,6 +87,10 @@ def receive_rank_env(timeout: float) -> None:
 def main() -> int:
     """Run the job's function as this rank; return the process exit code."""
     tied_child.arm_from_env()
+    if _env.get_bool(_env.HOROVOD_ALIAS):
+        from hvd_spark.compat import enable_horovod_alias
+
+        enable_horovod_alias()  # before fn is unpickled: it may refer to horovod modules
     receive_rank_env(_env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S) + 30.0)
     rank = _rank_for_report()
     secret = _require_hex(_env.SECRET)
