@@ -109,7 +109,8 @@ def run(
         fn: The function each rank runs (pickled with cloudpickle).
         args: Its positional arguments.
         kwargs: Its keyword arguments.
-        num_proc: Number of ranks; default ``sparkContext.defaultParallelism``.
+        num_proc: Number of ranks; default: the number of tasks the cluster runs at once
+            (its task slots, counting ``spark.task.cpus`` and GPUs per task).
         start_timeout: Seconds for all tasks to start and the ranks to connect; default
             ``HVD_SPARK_START_TIMEOUT``, else 600.
         env: Variables added to every rank's environment.
@@ -191,7 +192,8 @@ def _run_with_report(payload: bytes, config: RunConfig) -> RunReport:
     timeout = config.timeouts.start_timeout
     spark = spark_launcher.active_session()
     sc = spark_launcher.cluster_context(spark)  # a SparkContext, or its Connect stand-in
-    num_proc = sc.defaultParallelism if config.num_proc is None else config.num_proc
+    # Default: every task slot, as many ranks as the cluster runs at once.
+    num_proc = spark_launcher.task_slots(sc) if config.num_proc is None else config.num_proc
     config = config.with_num_proc(num_proc)  # checked again: the default comes from Spark
     gpu = spark_launcher.resolve_use_gpu(sc, config.use_gpu)
     spark_launcher.check_cluster(sc, num_proc)

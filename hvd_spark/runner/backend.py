@@ -41,7 +41,7 @@ class SparkBackend(Backend):
 
     Args:
         num_proc: Number of ranks; default: the active SparkContext's
-            ``defaultParallelism``, read when first needed.
+            the cluster's task slots, read when first needed.
         env: Variables added to every rank's environment. Unlike Horovod, the ranks
             always inherit their executor's environment, so the driver's ``os.environ``
             is not copied over (it would carry driver-only paths to the executors).
@@ -90,9 +90,13 @@ class SparkBackend(Backend):
 
     def num_processes(self) -> int:
         if self._num_proc is None:
-            from hvd_spark.runner.spark.spark_launcher import active_session, cluster_context
+            from hvd_spark.runner.spark.spark_launcher import (
+                active_session,
+                cluster_context,
+                task_slots,
+            )
 
-            self._num_proc = cluster_context(active_session()).defaultParallelism
+            self._num_proc = task_slots(cluster_context(active_session()))
         return self._num_proc
 
     def available_slots(self) -> int:

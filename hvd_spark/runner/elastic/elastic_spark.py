@@ -206,7 +206,7 @@ def run_elastic(
         fn: The training function.
         args: Its positional arguments.
         kwargs: Its keyword arguments.
-        num_proc: Ranks of the first ring (default ``defaultParallelism``).
+        num_proc: Ranks of the first ring (default: the cluster's task slots).
         min_np: Fewest ranks to go on with (default ``num_proc``).
         max_np: Most ranks; also the number of Spark tasks (default ``num_proc``).
         start_timeout: Seconds for the first ring to form (default 600).
@@ -233,7 +233,7 @@ def run_elastic(
     payload = worker.pickle_job(fn, args, kwargs)
     spark = spark_launcher.active_session()
     sc = spark_launcher.cluster_context(spark)
-    num_proc = sc.defaultParallelism if num_proc is None else num_proc
+    num_proc = spark_launcher.task_slots(sc) if num_proc is None else num_proc
     min_np = min_np if min_np is not None else (min_num_proc or num_proc)
     max_np = max_np if max_np is not None else (max_num_proc or num_proc)
     settings = ElasticConfig.of(

@@ -81,11 +81,17 @@ def _is_local(sc: Any) -> bool:
 
 
 def task_slots(sc: Any) -> int:
-    """How many tasks the cluster can run at once (what a barrier stage needs)."""
+    """How many tasks the cluster can run at once (what a barrier stage needs), counting
+    ``spark.task.cpus`` and, with GPU scheduling, the GPUs each task takes."""
     task_cpus = int(_conf(sc, "spark.task.cpus", "1"))
     match = re.fullmatch(r"local-cluster\[(\d+),\s*(\d+),\s*\d+\]", sc.master)
     if match:
-        return int(match.group(1)) * int(match.group(2)) // task_cpus
+        per_executor = int(match.group(2)) // task_cpus
+        task_gpus = float(_conf(sc, "spark.task.resource.gpu.amount", "0") or 0)
+        if task_gpus > 0:
+            executor_gpus = float(_conf(sc, "spark.executor.resource.gpu.amount", "0") or 0)
+            per_executor = min(per_executor, int(executor_gpus / task_gpus))
+        return int(match.group(1)) * per_executor
     if _is_local(sc):
         return sc.defaultParallelism // task_cpus
     try:  # what Spark's own barrier check uses; private API, hence the fallback
