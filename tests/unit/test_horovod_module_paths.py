@@ -2,7 +2,7 @@
 
 For each import statement: (a) the hvd_spark counterpart imports as a module and has the
 names, and (b) the very statement works through the ``horovod`` compatibility alias (the
-package in ``../shared/compat/horovod_alias`` next to the repository) in a fresh
+directory ``hvd_spark.compat.ALIAS_PATH`` on ``PYTHONPATH``, as a user turns it on) in a fresh
 interpreter, giving hvd_spark's own objects. All statements run in one subprocess, which
 prints a JSON report.
 """
@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from hvd_spark.compat import ALIAS_PATH
+
 REPO = Path(__file__).resolve().parents[2]
-ALIAS = REPO.parent / "shared" / "compat" / "horovod_alias"
+ALIAS = Path(ALIAS_PATH)
 _MARK = "HOROVOD-PATHS-REPORT "
 
 
@@ -43,12 +45,6 @@ class Case:
     names: tuple[str, ...]
     alias_gap: str | None = None
 
-
-_NO_TASK = ("the compat alias in shared/ has no horovod/spark/task.py: hvd_spark.task is "
-            "served only as hvd_spark.task (shared/ is read-only here)")
-_NO_UTIL = ("the compat alias in shared/ has no horovod/spark/common/util.py: prepare_data is "
-            "served only as hvd_spark.data.dataset_index.prepare_data (shared/ is read-only "
-            "here)")
 
 CASES = [
     Case("import horovod.tensorflow as hvd", "hvd_spark.tensorflow",
@@ -76,7 +72,7 @@ CASES = [
     Case("from horovod.tensorflow.keras.callbacks import BestModelCheckpoint",
          "hvd_spark.tensorflow.keras.callbacks", ("BestModelCheckpoint",)),
     Case("from horovod.spark.task import get_available_devices", "hvd_spark.task",
-         ("get_available_devices",), alias_gap=_NO_TASK),
+         ("get_available_devices",)),
     Case("import horovod.torch.elastic", "hvd_spark.torch.elastic",
          ("TorchState", "ElasticSampler", "run")),
     Case("import horovod.tensorflow.elastic", "hvd_spark.tensorflow.elastic",
@@ -90,7 +86,7 @@ CASES = [
          ("BroadcastGlobalVariablesCallback", "MetricAverageCallback",
           "LearningRateWarmupCallback", "LearningRateScheduleCallback", "BestModelCheckpoint")),
     Case("from horovod.spark.common.util import prepare_data", "hvd_spark.data.dataset_index",
-         ("prepare_data",), alias_gap=_NO_UTIL),
+         ("prepare_data",)),
     Case("from horovod.keras import PartialDistributedOptimizer", "hvd_spark.keras",
          ("PartialDistributedOptimizer",)),
 ]
@@ -136,9 +132,7 @@ def test_hvd_spark_counterpart_is_a_module_with_the_names(case: Case) -> None:
 @pytest.fixture(scope="module")
 def alias_report() -> dict[str, dict]:
     """Run every statement through the compat alias in one fresh interpreter."""
-    assert ALIAS.is_dir(), (
-        f"the horovod compat alias is missing: expected {ALIAS} (../shared/compat/"
-        "horovod_alias relative to the repository root, as on CI)")
+    assert (ALIAS / "horovod" / "__init__.py").is_file(), f"no horovod package in {ALIAS}"
     env = {**os.environ, "PYTHONPATH": str(ALIAS), "TF_CPP_MIN_LOG_LEVEL": "3"}
     cases = [[c.statement, c.module, list(c.names)] for c in CASES]
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(cases)], env=env,
