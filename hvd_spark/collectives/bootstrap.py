@@ -63,7 +63,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             world, STATE.engine, hosts = own_world(config, mpi_comm)
         elif membership.is_elastic():
             member = membership.membership()
-            _start_heartbeat(member.addr, member.secret, member.worker)
+            start_heartbeat(member.addr, member.secret, member.worker)
             world = member.join()  # blocks until the launcher forms the next generation
             epoch = STATE.generation = member.generation
             if STATE.heartbeat is not None:
@@ -72,7 +72,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             world = WorldInfo.from_env()
             epoch = next(STATE.epochs)
             if world.rendezvous_addr and _env.get_str(_env.HEARTBEAT):
-                _start_heartbeat(wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR),
+                start_heartbeat(wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR),
                                  world.secret, str(world.rank))
         # Polling or not depends on how many ranks share this host's CPUs: settled once.
         config = dataclasses.replace(
@@ -122,8 +122,12 @@ def _start_engine(world: WorldInfo, config: EngineConfig, factory: registry.Fact
     return Engine(world.rank, world.size, comm, mesh.control, config), mesh.hosts
 
 
-def _start_heartbeat(addr: tuple[str, int], secret: bytes, worker: str) -> None:
-    """Beat to the launcher from now on (once per process), if the launcher asked for it."""
+def start_heartbeat(addr: tuple[str, int], secret: bytes, worker: str) -> None:
+    """Beat to the launcher from now on (once per process), if the launcher asked for it.
+
+    ``init()`` calls it; so does the rank's worker before the job's function runs, so
+    that a rank frozen outside our collectives (in torch.distributed's) is found too.
+    """
     interval = _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
     if STATE.heartbeat is not None:
         STATE.heartbeat.set_generation(STATE.generation)

@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import signal
 import time
 import traceback
 
 from hvd_spark.errors import PeerDisconnectedError
+
+
+# How torch.distributed's backends say that a peer went away (gloo's transport, NCCL's
+# watchdog, torch's store): such an error is a consequence of that peer's failure.
+_PEER_LOSS = re.compile(
+    r"Connection reset by peer|Connection closed by peer|gloo/transport/.*(Read|Write) error"
+    r"|remote process exited|NCCL communicator was aborted|DistNetworkError|Broken pipe",
+    re.IGNORECASE)
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """True when ``exc`` says only that another rank disconnected (ours, or torch's)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return (isinstance(exc, PeerDisconnectedError)
+            or f"{PeerDisconnectedError.__name__}: " in text  # TensorFlow re-raises it
+            or _PEER_LOSS.search(text) is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +61,20 @@ class WorkerFailure:
             host=host,
             message=f"{type(exc).__name__}: {exc}",
             traceback="".join(traceback.format_exception(exc)),
-            # TensorFlow re-raises a disconnect as its own error type, with our text.
-            secondary=(isinstance(exc, PeerDisconnectedError)
-                       or f"{PeerDisconnectedError.__name__}: " in str(exc)),
+            secondary=is_peer_loss(exc),
         )
 
     @classmethod
-    def from_exit(cls, rank: int, host: str, returncode: int, torn_down: bool) -> WorkerFailure:
-        """Describe a process that ended without reporting (killed, or exited non-zero)."""
+    def from_exit(cls, rank: int, host: str, returncode: int, torn_down: bool,
+                  escalated: bool = True) -> WorkerFailure:
+        """Describe a process that ended without reporting (killed, or exited non-zero).
+
+        ``torn_down``: the launcher was stopping the ranks when it ended; ``escalated``:
+        it had already sent SIGKILL. A SIGKILL before that came from elsewhere (the OOM
+        killer, a user, a fault): the process did not die of the teardown.
+        """
+        if torn_down and returncode == -signal.SIGKILL and not escalated:
+            torn_down = False
         if returncode < 0:
             how = f"was killed by signal {-returncode}"
         else:

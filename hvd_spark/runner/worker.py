@@ -102,6 +102,7 @@ def main() -> int:
             # Inside the try: a function that cannot be unpickled here (a module missing
             # on this machine) is reported with its traceback like any failure of fn.
             fn, args, kwargs = cloudpickle.loads(store.get(FN_KEY, timeout))
+            _beat_from_start(rank, addr, secret)
             result = fn(*args, **kwargs)
             rank = _rank_for_report()
         except BaseException as exc:  # noqa: BLE001 - every failure is reported to the driver
@@ -123,6 +124,17 @@ def main() -> int:
         return 0
     finally:
         store.close()
+
+
+def _beat_from_start(rank: int, addr: tuple[str, int], secret: bytes) -> None:
+    """Beat to the launcher while ``fn`` runs, whether or not it calls ``init()``: code on
+    torch.distributed alone waits in gloo or NCCL, where a frozen peer would hold it for
+    torch's 30-minute timeout; the launcher finds the silent rank in seconds instead."""
+    if _env.get_bool(_env.ELASTIC) or not _env.get_str(_env.HEARTBEAT):
+        return  # elastic workers beat once they join (their rank is not theirs yet)
+    from hvd_spark.collectives import bootstrap
+
+    bootstrap.start_heartbeat(addr, secret, str(rank))
 
 
 def _report(store: StoreClient, rank: int, status: str, payload: object) -> None:

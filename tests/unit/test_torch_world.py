@@ -91,3 +91,24 @@ def test_fill_master_uses_the_store_only_where_the_launcher_could_not() -> None:
     assert env == {"MASTER_PORT": "1", "GROUP_RANK": "0"}
     with pytest.raises(KeyError):
         torch_world.fill_master({"GROUP_RANK": "0"}, 1.0)  # a rank without its store
+
+
+def test_torch_backends_peer_loss_errors_are_consequences_not_root_causes() -> None:
+    from hvd_spark.runner.failures import WorkerFailure, is_peer_loss
+
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:59584: Connection reset by peer")
+    assert is_peer_loss(gloo)
+    assert WorkerFailure.from_exception(1, "h", gloo).secondary
+    assert not is_peer_loss(ValueError("loss is nan"))
+
+
+def test_a_sigkill_before_the_launcher_escalated_is_not_blamed_on_the_teardown() -> None:
+    from hvd_spark.runner.failures import WorkerFailure
+
+    own = WorkerFailure.from_exit(2, "h", -9, torn_down=True, escalated=False)
+    assert not own.secondary and own.lost and "stopped by the launcher" not in own.message
+    ours = WorkerFailure.from_exit(2, "h", -9, torn_down=True, escalated=True)
+    assert ours.secondary and "stopped by the launcher" in ours.message
+    term = WorkerFailure.from_exit(0, "h", -15, torn_down=True, escalated=False)
+    assert term.secondary

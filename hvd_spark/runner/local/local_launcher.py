@@ -94,6 +94,7 @@ class LocalJob(Launcher):
         self.results: dict[int, bytes] = {}
         self.failures: list[WorkerFailure] = []
         self._expect_reports = False
+        self._escalated = False  # SIGKILL sent to the ranks during a teardown
 
     def host_of(self, rank: int) -> str:
         """The host rank ``rank`` runs on, as failures name it."""
@@ -147,6 +148,7 @@ class LocalJob(Launcher):
                 kind, rank, a, b, when = self._events.get(timeout=0.5)
             except queue.Empty:
                 if torn_down_at is not None and time.time() - torn_down_at > _TEARDOWN_GRACE_S:
+                    self._escalated = True
                     self._signal_all(signal.SIGKILL)
                 continue
             if kind == "silent":
@@ -166,7 +168,8 @@ class LocalJob(Launcher):
                 unreported = expect_reports and rank not in self.results
                 if rank not in failures and (a != 0 or unreported):
                     failures[rank] = WorkerFailure.from_exit(
-                        rank, self.host_of(rank), a, torn_down=torn_down_at is not None)
+                        rank, self.host_of(rank), a, torn_down=torn_down_at is not None,
+                        escalated=self._escalated)
             if failures and torn_down_at is None:
                 torn_down_at = time.time()
                 self._signal_all(signal.SIGTERM)
