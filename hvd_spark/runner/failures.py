@@ -10,7 +10,6 @@ import traceback
 
 from hvd_spark.errors import PeerDisconnectedError
 
-
 # How torch.distributed's backends say that a peer went away (gloo's transport, NCCL's
 # watchdog, torch's store): such an error is a consequence of that peer's failure.
 _PEER_LOSS = re.compile(
