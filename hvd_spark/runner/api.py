@@ -172,16 +172,18 @@ def run_with_report(
     prefix_output_with_timestamp: bool = False,
     progress: Callable[[int, dict[str, Any]], None] | None = None,
     on_output: Callable[[int, str, str], None] | None = None,
+    ranks_per_task: int = 1,
 ) -> RunReport:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, with timings.
 
-    Same as ``run`` but returns a ``RunReport`` (results, hosts, timings).
+    Same as ``run`` but returns a ``RunReport`` (results, hosts, timings); with
+    ``ranks_per_task`` each Spark task runs that many ranks (one per GPU of the task).
     """
     payload = worker.pickle_job(fn, args, kwargs)
     config = RunConfig.from_kwargs(
         num_proc=num_proc, start_timeout=start_timeout, env=env, stdout=stdout, stderr=stderr,
         verbose=verbose, use_gpu=use_gpu, prefix_output_with_timestamp=prefix_output_with_timestamp,
-        progress=progress, on_output=on_output)
+        progress=progress, on_output=on_output, ranks_per_task=ranks_per_task)
     with verbose_logging(verbose):
         return _run_with_report(payload, config)
 
@@ -193,10 +195,12 @@ def _run_with_report(payload: bytes, config: RunConfig) -> RunReport:
     spark = spark_launcher.active_session()
     sc = spark_launcher.cluster_context(spark)  # a SparkContext, or its Connect stand-in
     # Default: every task slot, as many ranks as the cluster runs at once.
-    num_proc = spark_launcher.task_slots(sc) if config.num_proc is None else config.num_proc
+    per_task = config.ranks_per_task
+    num_proc = (spark_launcher.task_slots(sc) * per_task if config.num_proc is None
+                else config.num_proc)
     config = config.with_num_proc(num_proc)  # checked again: the default comes from Spark
     gpu = spark_launcher.resolve_use_gpu(sc, config.use_gpu)
-    spark_launcher.check_cluster(sc, num_proc)
+    spark_launcher.check_cluster(sc, num_proc // per_task)
     bind_host, advertise_host = spark_launcher.driver_hosts(sc)
     level = logging.INFO if config.verbose >= 1 else logging.DEBUG
     output = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr,
@@ -206,7 +210,8 @@ def _run_with_report(payload: bytes, config: RunConfig) -> RunReport:
     started = time.monotonic()
     with DriverService(num_proc, secret, bind_host, advertise_host, output,
                        progress=config.progress) as service:
-        spec = TaskSpec(service.addr, secret, timeout, user_env, gpu, uuid.uuid4().hex[:12])
+        spec = TaskSpec(service.addr, secret, timeout, user_env, gpu, uuid.uuid4().hex[:12],
+                        ranks_per_task=per_task)
         launch = spark_launcher.SparkLaunch(spark, service, spec, config.timeouts)
         launch.publish(payload)
         log.log(level, "hvd_spark.run: starting %d ranks (job group %s, service %s)",

@@ -75,7 +75,9 @@ class TorchDistributor:
     Args:
         num_processes: Number of processes (ranks) in the job.
         local_mode: True: the processes run on the driver; False: on Spark barrier tasks,
-            one process per task, or ``spark.task.resource.gpu.amount`` per task with GPUs.
+            one process per task, or with GPUs one per GPU of the task
+            (``spark.task.resource.gpu.amount`` processes in each of
+            ``num_processes / amount`` tasks), as pyspark does.
         use_gpu: Give each process its GPU (as pyspark's default, True). On tasks this
             needs ``spark.task.resource.gpu.amount``; in local mode, driver GPUs
             (``spark.driver.resource.gpu.amount``). Pass False to train on CPUs (gloo).
@@ -93,6 +95,7 @@ class TorchDistributor:
         self.local_mode = bool(local_mode)
         self.use_gpu = bool(use_gpu)
         self._driver_gpus: list[str] = []
+        self.ranks_per_task = 1
         self.num_tasks = self._num_tasks()
 
     def _num_tasks(self) -> int:
@@ -119,12 +122,17 @@ class TorchDistributor:
             per_task = float(amount)
         except ValueError:
             raise ConfigError(f"{_TASK_GPUS}={amount!r} is not a number") from None
-        if per_task != 1:
+        if per_task < 1 or per_task != int(per_task):
             raise ConfigError(
-                f"{_TASK_GPUS}={amount}: TorchDistributor runs one process per task here, "
-                f"each on its own whole GPU; set {_TASK_GPUS}=1 (processes share no GPU and "
-                "a task with several GPUs is not split into several processes yet)")
-        return self.num_processes
+                f"{_TASK_GPUS}={amount}: TorchDistributor gives each process a whole GPU; "
+                f"set {_TASK_GPUS} to a whole number of GPUs per task (1, or all of a "
+                "node's GPUs to run one process per GPU in each task)")
+        self.ranks_per_task = int(per_task)
+        if self.num_processes % self.ranks_per_task:
+            raise ConfigError(
+                f"num_processes={self.num_processes} must be a multiple of {_TASK_GPUS}="
+                f"{self.ranks_per_task}: each task runs one process per GPU it holds")
+        return self.num_processes // self.ranks_per_task
 
     def run(self, train_object: Callable | str, *args: Any, **kwargs: Any) -> Any:
         """Run ``train_object`` on every process.
@@ -166,11 +174,12 @@ class TorchDistributor:
             visible = ",".join(self._driver_gpus[:self.num_processes]) if self.use_gpu else ""
             return run_local(fn, args=args, kwargs=kwargs, num_proc=self.num_processes,
                              env={"CUDA_VISIBLE_DEVICES": visible})
-        from hvd_spark.runner.api import run
+        from hvd_spark.runner.api import run_with_report
 
         env = None if self.use_gpu else {"CUDA_VISIBLE_DEVICES": ""}
-        return run(fn, args=args, kwargs=kwargs, num_proc=self.num_tasks, env=env,
-                   use_gpu=self.use_gpu)
+        return run_with_report(fn, args=args, kwargs=kwargs, num_proc=self.num_processes,
+                               env=env, use_gpu=self.use_gpu,
+                               ranks_per_task=self.ranks_per_task).results
 
 
 def _driver_gpus() -> list[str]:

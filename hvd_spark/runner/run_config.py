@@ -101,6 +101,8 @@ class RunConfig:
         progress: Receives the ranks' progress events as ``(rank, event)``.
         on_output: Also receives every output line as ``(rank, stream, line)``.
         timeouts: Every deadline of the run.
+        ranks_per_task: Ranks each Spark task runs (``TorchDistributor`` with several
+            GPUs per task: one rank per GPU); ``num_proc`` must be a multiple of it.
     """
 
     num_proc: int | None = None
@@ -113,6 +115,7 @@ class RunConfig:
     progress: Callable[[int, dict[str, Any]], None] | None = None
     on_output: Callable[[int, str, str], None] | None = None
     timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
+    ranks_per_task: int = 1
 
     def __post_init__(self) -> None:
         env = dict(self.env or {})
@@ -123,6 +126,10 @@ class RunConfig:
         object.__setattr__(self, "env", types.MappingProxyType(env))
         if self.num_proc is not None:
             _check_num_proc(self.num_proc, "num_proc")
+        _check_num_proc(self.ranks_per_task, "ranks_per_task")
+        if self.num_proc is not None and self.num_proc % self.ranks_per_task:
+            raise ConfigError(f"num_proc={self.num_proc} is not a multiple of ranks_per_task="
+                              f"{self.ranks_per_task} (each Spark task runs that many ranks)")
         if not isinstance(self.verbose, int):
             raise ConfigError(f"verbose must be 0, 1 or 2, got {self.verbose!r}")
 

@@ -83,6 +83,14 @@ def whole_gpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def two_gpu_tasks(tmp_path_factory):
+    """Two hosts x two GPUs, both GPUs of a host in its one task."""
+    session = _gpu_session("local-cluster[2,2,1024]", "2", tmp_path_factory.mktemp("gpu2"))
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
 def half_gpus(tmp_path_factory):
     """One host, four tasks sharing two GPUs (half a GPU each)."""
     session = _gpu_session("local-cluster[1,4,1024]", "0.5", tmp_path_factory.mktemp("gpu05"))
@@ -160,6 +168,53 @@ def test_one_gpu_per_rank_is_device_local_rank_on_two_hosts(whole_gpus):
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
 
 
+def _torch_probe():
+    """A torch.distributed rank function (shipped by value) gathering, on every rank, what
+    each rank sees: its LOCAL_RANK device must be its own Spark GPU."""
+
+    def probe() -> list[dict]:
+        import os
+
+        import torch.distributed as dist
+
+        from hvd_spark.task import get_available_devices
+
+        dist.init_process_group("gloo")  # torchrun's env://, across the two hosts
+        try:
+            visible = [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d]
+            mine = {"rank": dist.get_rank(), "host": os.environ["HVD_SPARK_HOSTNAME"],
+                    "local_rank": int(os.environ["LOCAL_RANK"]),
+                    "group_rank": int(os.environ["GROUP_RANK"]),
+                    "device": visible[int(os.environ["LOCAL_RANK"])],
+                    "own": get_available_devices()}
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            return everyone
+        finally:
+            dist.destroy_process_group()
+
+    return probe
+
+
+def _check_torch_placement(ranks: list[dict]) -> None:
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    hosts = _by_host(ranks)
+    assert sorted(hosts) == ["host-0", "host-1"], ranks
+    for node, (_, on_host) in enumerate(sorted(hosts.items(), key=lambda h: h[1][0]["rank"])):
+        assert [r["local_rank"] for r in on_host] == [0, 1]
+        assert {r["group_rank"] for r in on_host} == {node}
+        assert sorted(r["device"] for r in on_host) == ["0", "1"]  # each GPU once
+        for r in on_host:
+            assert r["own"] == [r["device"]], r  # LOCAL_RANK's device is its Spark GPU
+
+
+@pytest.mark.smoke
+def test_torch_distributor_places_one_process_per_spark_gpu(whole_gpus):
+    distributor = hvd_spark.TorchDistributor(num_processes=4, local_mode=False, use_gpu=True)
+    assert distributor.num_tasks == 4
+    _check_torch_placement(distributor.run(_torch_probe()))
+
+
 def test_use_gpu_false_leaves_the_executors_devices(whole_gpus):
     def devices():
         import os
@@ -213,3 +268,13 @@ def test_shared_gpus_are_listed_once_and_each_rank_knows_its_own(half_gpus):
     # Horovod's idiom cannot work with four ranks on two GPUs (documented): HVD_SPARK_GPU_INDEX.
     assert [r["idiom"] for r in ranks[2:]] == ["CUDA error: invalid device ordinal 2",
                                               "CUDA error: invalid device ordinal 3"]
+
+
+def test_torch_distributor_runs_a_process_per_gpu_of_a_multi_gpu_task(two_gpu_tasks):
+    distributor = hvd_spark.TorchDistributor(num_processes=4, local_mode=False, use_gpu=True)
+    assert (distributor.num_tasks, distributor.ranks_per_task) == (2, 2)
+    _check_torch_placement(distributor.run(_torch_probe()))
+    with pytest.raises(ValueError, match="multiple of spark.task.resource.gpu.amount=2"):
+        hvd_spark.TorchDistributor(num_processes=3, local_mode=False, use_gpu=True)
+    # num_proc's default counts GPUs per task: one task per host here, not two.
+    assert len(hvd_spark.run(lambda: 0, stdout=io.StringIO())) == 2

@@ -217,7 +217,7 @@ class SparkLaunch(Launcher):
         self.service.events.put(("spark_done", -1, error))
 
     def _job(self) -> Any:
-        n = self.num_proc
+        n = self.num_proc // self.spec.ranks_per_task  # one task per ranks_per_task ranks
         frame = self.spark.range(n, numPartitions=n)
         try:
             return frame.mapInArrow(functools.partial(spark_task.arrow_task, self.spec),
@@ -283,6 +283,10 @@ class SparkLaunch(Launcher):
         self._drain(outcome)
         verdict = (task_loss.read_verdict(outcome.spark_error)
                    if outcome.spark_error is not None else None)
+        if verdict is not None and verdict.partition is not None:
+            # A task's ranks register as slots partition * ranks_per_task + i.
+            verdict = dataclasses.replace(
+                verdict, partition=verdict.partition * self.spec.ranks_per_task)
         # A task that vanished (its executor lost) never reports: Spark's verdict names it.
         # Tasks that failed before every rank was assigned are a setup problem (below).
         if verdict is not None and (self.service.ranks or verdict.executor is not None):

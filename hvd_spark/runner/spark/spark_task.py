@@ -23,7 +23,7 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import advertise_addr
-from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
+from hvd_spark.errors import ConfigError, HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import torch_world
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.rendezvous import RankInfo
@@ -55,6 +55,8 @@ class TaskSpec:
         use_gpu: Show the child its host's GPUs of this job as CUDA_VISIBLE_DEVICES, its own
             at index ``local_rank`` (``gpu_mapping``).
         run_id: Identifies the run in logs.
+        ranks_per_task: Ranks each task runs (one per GPU of the task, each registering
+            as its own slot ``partition * ranks_per_task + i``).
     """
 
     driver_addr: str
@@ -63,6 +65,7 @@ class TaskSpec:
     env: dict[str, str]
     use_gpu: bool
     run_id: str
+    ranks_per_task: int = 1
 
 
 def early_env(base: dict[str, str], spec: TaskSpec) -> dict[str, str]:
@@ -166,6 +169,36 @@ def run_task(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
         reap_worker(proc, spec.secret)
 
 
+def run_task_ranks(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
+    """Run the task's ``spec.ranks_per_task`` ranks, each with one of the task's GPUs; the
+    first non-zero exit code among them (0 when all succeeded).
+
+    Raises:
+        ConfigError: Spark gave the task a number of GPUs other than its ranks.
+    """
+    per_task = spec.ranks_per_task
+    if per_task == 1:
+        return run_task(spec, partition, task_gpus)
+    if task_gpus and len(task_gpus) != per_task:
+        raise ConfigError(f"this task runs {per_task} ranks but Spark gave it GPUs "
+                          f"{task_gpus}: one GPU per rank is needed")
+    codes = [0] * per_task
+
+    def serve(i: int) -> None:
+        own = [task_gpus[i]] if task_gpus else []
+        codes[i] = run_task(spec, partition * per_task + i, own)
+
+    threads = [threading.Thread(target=serve, args=(i,), name=f"hvd-slot-{i}", daemon=True)
+               for i in range(per_task)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        # run_task ends with its rank, which the driver stops within its own deadlines.
+        while thread.is_alive():
+            thread.join(1.0)
+    return next((code for code in codes if code), 0)
+
+
 def _serve_rank(client: StoreClient, proc: subprocess.Popen, started_with: dict[str, str],
                 spec: TaskSpec, partition: int, host: str, task_gpus: list[str]) -> int:
     """Register, hand the worker its rank, relay its output until it ends; its exit code."""
@@ -205,7 +238,7 @@ def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
         pass
     context = BarrierTaskContext.get()
     partition = context.partitionId()
-    returncode = run_task(spec, partition, task_gpu_addresses(context))
+    returncode = run_task_ranks(spec, partition, task_gpu_addresses(context))
     yield pa.RecordBatch.from_pydict(
         {"partition": [partition], "returncode": [returncode]},
         schema=pa.schema([("partition", pa.int64()), ("returncode", pa.int64())]),
@@ -220,4 +253,4 @@ def rdd_task(spec: TaskSpec, rows: Iterator[Any]) -> Iterator[tuple[int, int]]:
         pass
     context = BarrierTaskContext.get()
     partition = context.partitionId()
-    yield partition, run_task(spec, partition, task_gpu_addresses(context))
+    yield partition, run_task_ranks(spec, partition, task_gpu_addresses(context))
