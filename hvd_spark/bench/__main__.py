@@ -11,6 +11,8 @@ BENCHMARKS = {
     "torch": ("hvd_spark.bench.torch_bench", "DistributedOptimizer vs torch DDP (Gloo)"),
     "keras": ("hvd_spark.bench.keras_bench", "Keras DistributedOptimizer vs MWMS"),
     "spark": ("hvd_spark.bench.spark_overhead", "hvd_spark.run overhead vs TorchDistributor"),
+    "distributor": ("hvd_spark.bench.distributor_bench",
+                    "TorchDistributor: hvd_spark's vs pyspark's, start-up and DDP steps"),
     "reader": ("hvd_spark.bench.reader_bench", "Parquet reader rows/s vs a plain scan"),
     "transform": ("hvd_spark.bench.transform_bench", "Model.transform rows/s: Arrow vs pandas"),
     "scaling": ("hvd_spark.bench.scaling", "predicted efficiency on 8-512 hosts (needs root)"),
