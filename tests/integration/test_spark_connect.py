@@ -85,6 +85,30 @@ def test_run_over_connect(connect):
     assert "[0] rank 0 of 2" in out.getvalue() and "[1] rank 1 of 2" in out.getvalue()
 
 
+def _torch_ranks(tag):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        print(f"{tag}: rank {dist.get_rank()} sum {t.item():g}", flush=True)
+        return t.item(), dist.get_rank(), os.getppid()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_distributor_over_connect_with_live_logs(connect, capsys):
+    distributor = hvd_spark.TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+    total, rank, parent = distributor.run(_torch_ranks, "connect")
+    assert (total, rank) == (3.0, 0) and parent != os.getpid()
+    out = capsys.readouterr().out
+    assert "[0] connect: rank 0 sum 3" in out and "[1] connect: rank 1 sum 3" in out
+
+
 def test_run_elastic_over_connect(connect):
     err = io.StringIO()
     results = hvd_spark.run_elastic(count_steps, args=(12,), num_proc=2, min_np=1,
