@@ -130,3 +130,13 @@ def test_horovod_runner_on_the_driver_shows_only_the_first_rank_when_asked(capsy
     assert runner.run(_horovod_main, scale=1.0) == 3.0
     out = capsys.readouterr().out
     assert "[0] hello from rank 0" in out and "hello from rank 1" not in out
+
+
+def test_a_rank_killed_in_a_ddp_step_on_barrier_tasks_ends_the_run(spark) -> None:
+    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+    with pytest.raises(WorkerFailedError) as info:
+        distributor.run(jobs.ddp_with_fault, 1, 2)
+    assert info.value.root_cause.rank == 1, str(info.value)
+    assert "signal 9" in info.value.root_cause.message, str(info.value)
+    # The session is free at once: the barrier job was cancelled, no task holds a slot.
+    assert spark.range(4).count() == 4
