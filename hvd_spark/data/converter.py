@@ -16,7 +16,7 @@ pyarrow >= 16) replaced::
 
     hvd_spark.run(train, num_proc=2)                    # converter ships in the closure
 
-The DataFrame is written by ``hvd_spark.data.writer.prepare_data`` (checked for nulls,
+The DataFrame is written by ``hvd_spark.data.writer.write_dataset`` (checked for nulls,
 NaN, ragged arrays and unsupported types before anything is written) and cached by
 content: the same data with the same columns and file count reuses the files, in any
 session, without writing. ``Converter`` holds only the dataset spec, the Store and the
@@ -98,7 +98,7 @@ def make_converter(
     try:
         # One "process" of num_files partitions: rows >= 1 is the only size check, and
         # the cache key (content, columns, file count) is the writer's own.
-        spec = writer.prepare_data(df, store, feature_cols=names, num_proc=1, batch_size=1,
+        spec = writer.write_dataset(df, store, feature_cols=names, num_proc=1, batch_size=1,
                                    partitions_per_process=num_files)
     except DataError as exc:
         if columns is not None:
