@@ -71,3 +71,21 @@ def test_prepare_data_has_one_meaning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dataset_index.prepare_data.__module__ == "hvd_spark.data.dataset_index"
+
+
+def test_docstrings_point_to_pages_and_sections_that_exist():
+    package = DOCS.parent / "hvd_spark"
+    pointers = []
+    for source in package.rglob("*.py"):
+        text = source.read_text()
+        assert "README (" not in text and "the README," not in text, (
+            f"{source}: point to a docs/ page, not a README section")
+        pointers += [(source, page, section) for page, section in re.findall(
+            r"``(docs/[\w/.-]+\.md)``(?:,? \(?\"([^\"]+)\")?", text)]
+    assert pointers
+    for source, page, section in pointers:
+        path = DOCS.parent / page
+        assert path.is_file(), f"{source} points to {page}, which does not exist"
+        if section:
+            assert re.search(rf"^#+ {re.escape(section)}$", path.read_text(), flags=re.M), (
+                f"{source} points to the section {section!r} of {page}, which has none")
