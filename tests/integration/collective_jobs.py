@@ -57,9 +57,9 @@ def out_of_order_and_fusion() -> dict:
     names = ["a", "b", "c"] if r % 2 == 0 else ["c", "b", "a"]
     handles = {nm: hvd.allreduce_async(np.ones(4) * (r + 1), name=nm, op=hvd.Sum) for nm in names}
     ooo = {nm: hvd.synchronize(h).tolist() for nm, h in handles.items()}
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     before = (engine.executed_responses, engine.executed_tensors)
     # Above the eager size, so they take the ring (fused); eager ones have nothing to fuse.
     rows = engine.eager_bytes // 4 + 1
@@ -75,11 +75,11 @@ def eager_paths() -> dict:
     and out of place, any submission order, sizes either side of the eager limit."""
     import threading
 
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     out: dict = {"limit": engine.eager_bytes}
     eager_before = engine.executed_eager
     x = np.arange(12, dtype=np.float64).reshape(3, 4) * (r + 1) - 5
@@ -347,7 +347,7 @@ def autotune_mid_run(max_steps: int = 400) -> dict:
     import hashlib
     import logging
 
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     messages: list[str] = []
 
@@ -361,7 +361,7 @@ def autotune_mid_run(max_steps: int = 400) -> dict:
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     pair = hvd.add_process_set([0, 1]) if n >= 3 else None
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     shapes = [(700_000,), (3, 1000), (17,), (120_000,), (5,)]  # 2.8 MB down to 20 B
     digests, pair_digests, chunks, worst = [], [], [], 0.0
     done, step = False, 0
@@ -394,11 +394,11 @@ def held_requests() -> dict:
     """Submissions wait to be sent until the next cycle (``TcpEngine._submitted``): a burst
     leaves in a frame or two, and a pair decided before its half left still sends that
     half's input, not the result written into it."""
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r = hvd.rank()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     out: dict = {}
     # Rank 0's copies reach rank 1 before rank 1 submits: rank 1 could decide each pair
     # the moment it records its own half, while that half is still held.
@@ -458,11 +458,11 @@ def burst_through_small_socket_buffers(count: int = 160) -> dict:
     other to read (Linux's default buffer limits are about 200 KB; these are 64 KB)."""
     import socket
 
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r = hvd.rank()
-    for sock in api.current_engine()._control.values():
+    for sock in _plumbing.current_engine()._control.values():
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, 64 * 1024)
     hvd.barrier()
@@ -483,11 +483,11 @@ def hold_after_a_thread_switch() -> dict:
     """Rank 1's thread is switched out between recording a paired request and holding
     it (a delay injected there), while rank 0's copy is already in: the pair must still
     send rank 1's input, not the result written into its array."""
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r = hvd.rank()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     if r == 1:
         hold = engine._hold
 

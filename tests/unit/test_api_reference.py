@@ -89,3 +89,20 @@ def test_docstrings_point_to_pages_and_sections_that_exist():
         if section:
             assert re.search(rf"^#+ {re.escape(section)}$", path.read_text(), flags=re.M), (
                 f"{source} points to the section {section!r} of {page}, which has none")
+
+
+def test_the_collectives_front_door_has_one_list_and_no_plumbing():
+    import hvd_spark.collectives as C
+    from hvd_spark.collectives import _plumbing, api
+
+    # One list: the package's names are the api module's, plus the elastic submodule.
+    assert sorted(C.__all__) == sorted([*api.__all__, "elastic"])
+    assert all(getattr(C, name) is getattr(api, name) for name in api.__all__)
+    plumbing = set(_plumbing.__all__)
+    assert plumbing == {"auto_name", "current_engine", "group_base_name", "report_failure",
+                        "report_grouped_failure"}
+    assert not plumbing & set(C.__all__)
+    for name in plumbing:
+        assert not hasattr(api, name), f"api still exports the plumbing name {name}"
+        with pytest.raises(AttributeError):
+            getattr(C, name)
