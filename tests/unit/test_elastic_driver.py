@@ -36,10 +36,27 @@ def _join_all(driver: ElasticDriver, joins: list[tuple[str, str, int]]) -> dict:
     return out
 
 
+class _Events:
+    """The driver's event lines, and an Event set when a newcomer waits to join (the driver
+    reports it before its join waits, holding its lock: no sleep needed to order the two)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.newcomer_waits = threading.Event()
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        if "is waiting to join" in line:
+            self.newcomer_waits.set()
+
+    def __iter__(self):
+        return iter(self.lines)
+
+
 @pytest.fixture
 def driver():
-    events: list[str] = []
-    d = ElasticDriver(_settings(), on_event=events.append)
+    events = _Events()
+    d = ElasticDriver(_settings(), on_event=events)
     d.events = events
     yield d
     d.close()
@@ -72,9 +89,7 @@ def test_a_newcomer_raises_the_version_and_joins_at_the_next_reset(driver):
     late: dict = {}
     t = threading.Thread(target=lambda: late.setdefault("c", driver.join("c", "h", 0)))
     t.start()
-    deadline = time.monotonic() + 5
-    while driver.current_version() == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert driver.events.newcomer_waits.wait(5)
     assert driver.current_version() == 1  # the ranks' next commit sees it
     got = _join_all(driver, [("a", "h", 1), ("b", "h", 1)])
     t.join(10)
@@ -141,7 +156,7 @@ def test_bad_settings_are_refused_with_the_parameter(kw, match):
         _settings(**kw)
 
 
-def _join_in_background(driver: ElasticDriver, worker: str, last: int):
+def _join_in_background(driver: ElasticDriver, events: _Events, worker: str, last: int):
     out: dict = {}
 
     def one():
@@ -154,7 +169,7 @@ def _join_in_background(driver: ElasticDriver, worker: str, last: int):
 
     thread = threading.Thread(target=one)
     thread.start()
-    time.sleep(0.3)  # let it reach the wait
+    assert events.newcomer_waits.wait(5), "the newcomer's join never reached its wait"
     return thread, out
 
 
@@ -162,10 +177,12 @@ def _join_in_background(driver: ElasticDriver, worker: str, last: int):
 def test_a_join_waiting_when_the_job_ends_returns_at_once(end):
     # A newcomer waits for the members' next commit; the job ends first. Its join (and
     # the store connection serving it) must not wait out the 60 s start timeout.
-    d = ElasticDriver(_settings(num_proc=2, max_np=3, start_timeout=60, elastic_timeout=60))
+    events = _Events()
+    d = ElasticDriver(_settings(num_proc=2, max_np=3, start_timeout=60, elastic_timeout=60),
+                      on_event=events)
     try:
         _join_all(d, [("a", "h", 0), ("b", "h", 0)])
-        thread, out = _join_in_background(d, "c", 0)
+        thread, out = _join_in_background(d, events, "c", 0)
         assert "result" not in out  # still waiting for a place
         if end == "finished":
             d.worker_exited("a", 0)  # a member finished training: the job is done
