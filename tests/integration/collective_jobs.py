@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 
 import hvd_spark.collectives as hvd
+from tests.waiting import wait_until
 
 
 def all_ops() -> dict:
@@ -44,8 +45,7 @@ def all_ops() -> dict:
     out["obj"] = hvd.broadcast_object({"from": r, "list": [1, 2]}, root_rank=1 % n)
     out["objs"] = hvd.allgather_object(("rank", r))
     h = hvd.allreduce_async(np.ones(1000) * r, name="async.1", op=hvd.Sum)
-    while not hvd.poll(h):
-        time.sleep(0.001)
+    wait_until(lambda: hvd.poll(h), timeout=60, what="poll() of async.1")
     out["async"] = hvd.synchronize(h)
     hvd.barrier()
     return out
@@ -137,10 +137,8 @@ def eager_paths() -> dict:
     out["threads"] = {t: results.get(t) for t in range(4)}
     # An async operation nobody waits for still completes (the background thread runs it).
     handle = hvd.allreduce_async(np.ones(2) * (r + 1), name="unwaited", op=hvd.Sum)
-    deadline = time.monotonic() + 10
-    while not hvd.poll(handle) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    out["unwaited_done"] = hvd.poll(handle)
+    out["unwaited_done"] = wait_until(lambda: hvd.poll(handle), timeout=10,
+                                      what="the unwaited allreduce")
     out["unwaited"] = hvd.synchronize(handle).tolist()
     out["eager_count"] = engine.executed_eager - eager_before
     hvd.shutdown()
