@@ -515,10 +515,11 @@ def submissions_while_another_thread_drives(count: int = 40) -> dict:
     hvd.barrier()
     if r == 0:
         handles = [hvd.allgather_async(np.ones(2), name=f"b.{i}") for i in range(count)]
-        time.sleep(0.2 + 0.01 * count + 1.0)
-        hvd.allreduce(np.ones(2), name="slow")
+        # Each completes when rank 1 submits its half: all done, rank 1's loop is over, and
+        # only then does rank 0 join "slow" (rank 1's thread A waited in it all along).
         for h in handles:
             hvd.synchronize(h)
+        hvd.allreduce(np.ones(2), name="slow")
         hvd.barrier()
         hvd.shutdown()
         return {}
