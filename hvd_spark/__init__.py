@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from hvd_spark._version import __version__
 
 __all__ = ["HorovodRunner", "SparkBackend", "TorchDistributor", "__version__",
            "get_available_devices", "run", "run_elastic", "run_local"]

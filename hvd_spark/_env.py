@@ -283,7 +283,6 @@ _FLAGS_WHY = {
     "HOROVOD_DISABLE_NVTX_RANGES": "no NVTX ranges are emitted",
     "HOROVOD_LOG_HIDE_TIME": "log records go through Python logging: format them with a "
                              "handler",
-    "HOROVOD_CACHE_CAPACITY": "there is no response cache",
 }
 # Settings with a value this package always has; any other value cannot be honoured.
 _CHOICES_WHY = {
@@ -295,6 +294,10 @@ _CHOICES_WHY = {
 # Settings that always ask for something not there.
 _ALWAYS_WHY = {
     "HOROVOD_THREAD_AFFINITY": "the background thread is not pinned",
+    # Any value, 0 (Horovod: cache off) included: the MPI cache cannot be turned off or resized.
+    "HOROVOD_CACHE_CAPACITY": "the response cache's size is not a setting: the MPI backend's "
+                              "cache is always on and holds up to 8192 kinds of request; the TCP "
+                              "backend has none (rank 0 decides every round)",
     "HOROVOD_NUM_NCCL_STREAMS": "the NCCL path uses one stream per device",
     "HOROVOD_CCL_CACHE": "there is no oneCCL backend",
     "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "Adasum gathers whole tensors; it is not chunked",

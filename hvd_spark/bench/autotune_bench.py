@@ -33,7 +33,7 @@ def _shapes(workload: str) -> list[tuple[int, ...]]:
 def rank_main(opts: dict) -> dict:
     """One job on one rank: tune (when on), then time ``steps`` steps."""
     import hvd_spark.collectives as hvd
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     grads = [np.full(s, hvd.rank() + 1, np.float32) for s in _shapes(opts["workload"])]
@@ -46,7 +46,7 @@ def rank_main(opts: dict) -> dict:
         if results[0].reshape(-1)[0] != expect:
             raise AssertionError("wrong allreduce result")
 
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     tuning_steps, start = 0, time.perf_counter()
     if opts["autotune"]:
         done = False

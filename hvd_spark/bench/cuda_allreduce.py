@@ -39,7 +39,7 @@ def rank_main(opts: dict) -> dict | None:
     import torch
 
     import hvd_spark.collectives as hvd
-    from hvd_spark.collectives import api, device_ops, ops
+    from hvd_spark.collectives import _plumbing, device_ops, ops
 
     hvd.init()
     n, gpus = hvd.size(), cupy.cuda.runtime.getDeviceCount()
@@ -89,7 +89,8 @@ def rank_main(opts: dict) -> dict | None:
             for key, fn in (("device", device_path), ("staged", staged), ("torch", torch_dist)):
                 row[key] = min(row.get(key, float("inf")), timed(fn, iters))
         rows.append(row)
-    mode = api.current_engine().comm.plan.mode if api.current_engine().comm.plan else "none"
+    plan = _plumbing.current_engine().comm.plan
+    mode = plan.mode if plan else "none"
     dist.destroy_process_group()
     hvd.shutdown()
     torch_name = "torch gloo" if shared else "torch nccl"

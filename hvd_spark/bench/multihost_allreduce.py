@@ -74,7 +74,7 @@ def _gloo(hvd, address: str) -> Any:
 def rank_main(opts: dict) -> None:
     """One rank: time our all-reduce (and Gloo's when asked); rank 0 prints the rows."""
     import hvd_spark.collectives as hvd
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     address = socket.gethostbyname(socket.gethostname())
@@ -98,7 +98,7 @@ def rank_main(opts: dict) -> None:
                 row.setdefault("gloo", []).append(time_loop(
                     lambda t=tensor, d=dist: d.all_reduce(t), iters, dist.barrier, reduce_max))
         rows.append({k: min(v) if isinstance(v, list) else v for k, v in row.items()})
-    kind = type(api.current_engine().comm).__name__
+    kind = type(_plumbing.current_engine().comm).__name__
     if gloo is not None:
         gloo[1].destroy_process_group()
     if hvd.rank() == 0:

@@ -2,7 +2,7 @@
 
 ``python -m hvd_spark.bench reader [--rows 1000000 --cols 100 ...]`` writes ``rows x
 cols`` float32 values as Parquet files with pyarrow in a temporary directory (no Spark),
-in the layout ``prepare_data`` writes (required columns, no dictionary for floating
+in the layout ``write_dataset`` writes (required columns, no dictionary for floating
 point; ``--pyarrow-defaults`` keeps pyarrow's: nullable, dictionary-encoded), then times,
 on the same files:
 
@@ -12,7 +12,7 @@ on the same files:
   numpy array per column.
 
 ``--vector`` stores the values as one array column (a Vector feature, packed by
-``prepare_data`` as fixed-size binary; a list column with ``--pyarrow-defaults``); both
+``write_dataset`` as fixed-size binary; a list column with ``--pyarrow-defaults``); both
 sides then hand out one ``(batch, cols)`` array per batch.
 
 ``--matrix`` also stacks every batch's columns into one 2-D float32 array on both sides:
@@ -68,7 +68,7 @@ def write_files(directory: str, rows: int, cols: int, files: int, row_group: int
             table = pa.table(dict(zip(names, data)))
         path = os.path.join(directory, f"part-{i:05d}.parquet")
         options = {}
-        if not pyarrow_defaults:  # the layout prepare_data writes
+        if not pyarrow_defaults:  # the layout write_dataset writes
             table = pack_arrays(table, _specs(cols, vector))
             table = table.cast(storage_schema(table.schema))
             options["use_dictionary"] = dictionary_columns(table.schema)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rows} rows x {args.cols} float32 "
         f"{'values in one array column' if args.vector else 'cols'}, {args.files} files, "
         f"row groups of "
-        f"{args.row_group}, {'pyarrow default' if args.pyarrow_defaults else 'prepare_data'} "
+        f"{args.row_group}, {'pyarrow default' if args.pyarrow_defaults else 'write_dataset'} "
         f"encodings, batch {args.batch_size}, {os.cpu_count()} CPUs, {args.repeat} alternating "
         f"rounds, batches as "
         f"{'one 2-D array' if args.matrix or args.vector else 'one numpy array per column'}"

@@ -12,6 +12,10 @@ define, each doing one job:
 - ``gather_ops``: allgather, broadcast, alltoall, the object forms, barrier and join;
 - ``process_set_registry``: ``add_process_set`` and ``remove_process_set``.
 
+Its ``__all__`` is the one list of ``hvd_spark.collectives``' names (with the ``elastic``
+submodule). What only the bindings need (operation names, failure reports, the engine)
+is in ``_plumbing``.
+
 Configuration comes from the environment the launchers set; users only call
 ``init()``. Every blocking call has a deadline (HVD_SPARK_TIMEOUT).
 """
@@ -19,6 +23,18 @@ Configuration comes from the environment the launchers set; users only call
 from __future__ import annotations
 
 from hvd_spark.collectives.bootstrap import init, shutdown, start_timeline, stop_timeline
+from hvd_spark.collectives.build_info import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from hvd_spark.collectives.gather_ops import (
     allgather,
     allgather_async,
@@ -36,7 +52,7 @@ from hvd_spark.collectives.gather_ops import (
     join,
 )
 from hvd_spark.collectives.operations import Handle
-from hvd_spark.collectives.ops import ReduceOp
+from hvd_spark.collectives.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from hvd_spark.collectives.process_set_registry import add_process_set, remove_process_set
 from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
 from hvd_spark.collectives.reduce_ops import (
@@ -53,13 +69,11 @@ from hvd_spark.collectives.reduce_ops import (
     grouped_reducescatter_async,
     reducescatter,
     reducescatter_async,
-    report_grouped_failure,
 )
 from hvd_spark.collectives.session import (
     backend_name,
     cross_rank,
     cross_size,
-    current_engine,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -67,24 +81,21 @@ from hvd_spark.collectives.session import (
     rank,
     size,
 )
-from hvd_spark.collectives.submit import (
-    auto_name,
-    group_base_name,
-    poll,
-    report_failure,
-    synchronize,
-)
+from hvd_spark.collectives.submit import poll, synchronize
+from hvd_spark.errors import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = [
-    "Handle", "ProcessSet", "ReduceOp", "add_process_set", "allgather", "allgather_async",
+    "Adasum", "Average", "Handle", "HorovodInternalError", "HostsUpdatedInterrupt", "Max", "Min",
+    "ProcessSet", "Product", "ReduceOp", "Sum", "add_process_set", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-    "allreduce_many_async_", "alltoall", "alltoall_async", "auto_name", "backend_name",
-    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "broadcast_object", "cross_rank", "cross_size", "current_engine", "global_process_set",
-    "group_base_name", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
+    "allreduce_many_async_", "alltoall", "alltoall_async", "backend_name", "barrier", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled",
+    "global_process_set", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous",
-    "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "report_failure", "report_grouped_failure",
-    "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
+    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async",
+    "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
+    "synchronize",
 ]

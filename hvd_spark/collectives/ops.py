@@ -125,6 +125,39 @@ def half_kernels_name() -> str:
     return "numpy" if kernels is None else kernels.name
 
 
+class HalfKernelRegistration:
+    """How a binding registers its :class:`HalfKernels`: now, once per process, or undone.
+
+    Args:
+        kernels: The binding's kernels.
+        replace: Whether they replace kernels another binding registered before (torch's
+            do; TensorFlow's yield to them, which are faster).
+    """
+
+    def __init__(self, kernels: HalfKernels, replace: bool = True) -> None:
+        self.kernels = kernels
+        self.replace = replace
+        self._done = False
+
+    def register(self) -> None:
+        """Reduce and scale half-precision arrays with these kernels from now on (in this
+        process), unless ``replace`` is False and another binding's are registered."""
+        if self.replace or half_kernels_name() == "numpy":
+            register_half_kernels(self.kernels)
+
+    def register_once(self) -> None:
+        """:meth:`register` on this process's first call only (the binding's ``init()``
+        calls it), so that a later :meth:`unregister` or ``register_half_kernels`` stays."""
+        if not self._done:
+            self._done = True
+            self.register()
+
+    def unregister(self) -> None:
+        """Go back to the numpy kernels if these are the registered ones."""
+        if half_kernels_name() == self.kernels.name:
+            register_half_kernels(None)
+
+
 def is_floating(dtype: np.dtype) -> bool:
     """True for float16/bfloat16/float32/float64."""
     if not isinstance(dtype, np.dtype):

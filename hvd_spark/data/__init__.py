@@ -1,9 +1,9 @@
 """Data layer: Stores, DataFrame -> Parquet (driver) and sharded batch reading (workers).
 
-``prepare_data`` (the only pyspark user) is imported lazily so that workers importing
+``write_dataset`` (the only pyspark user) is imported lazily so that workers importing
 ``hvd_spark.data`` for the reader never load pyspark; so is ``make_converter`` (petastorm's
-``make_spark_converter`` for ``run()``, in ``converter``). Horovod's context-manager
-``prepare_data`` (``horovod.spark.common.util``) is ``hvd_spark.data.dataset_index``'s.
+``make_spark_converter`` for ``run()``, in ``converter``). ``prepare_data`` means one thing:
+Horovod's context manager (``horovod.spark.common.util``), ``hvd_spark.data.dataset_index``'s.
 Batches as tensors come from the framework bindings: ``hvd_spark.torch.data.as_torch``
 and ``hvd_spark.tensorflow.data.as_tf_dataset``.
 """
@@ -26,7 +26,7 @@ from hvd_spark.data.store import (
 __all__ = [
     "AbstractFilesystemStore", "ColumnSpec", "DatasetSpec", "DBFSLocalStore", "FilesystemStore",
     "HDFSStore", "LocalStore", "ShardReader", "SplitSpec", "Store", "Converter",
-    "make_converter", "prepare_data",
+    "make_converter", "write_dataset",
 ]
 
 # Where the names that turn batches into framework tensors went (the data layer imports
@@ -35,10 +35,22 @@ _MOVED = {"as_torch": "hvd_spark.torch.data", "as_tf_dataset": "hvd_spark.tensor
 
 
 def __getattr__(name: str) -> Any:
-    if name == "prepare_data":
-        from hvd_spark.data.writer import prepare_data
+    if name == "write_dataset":
+        from hvd_spark.data.writer import write_dataset
 
-        return prepare_data
+        return write_dataset
+    if name == "prepare_data":
+        # This package's writer was named like Horovod's context manager, with other
+        # arguments; the old name keeps working, once warned, so the rename breaks nobody.
+        import warnings
+
+        from hvd_spark.data.writer import write_dataset
+
+        warnings.warn("hvd_spark.data.prepare_data is now hvd_spark.data.write_dataset (same "
+                      "arguments); Horovod's prepare_data context manager is "
+                      "hvd_spark.data.dataset_index.prepare_data", DeprecationWarning,
+                      stacklevel=2)
+        return write_dataset
     if name in _MOVED:
         raise AttributeError(f"hvd_spark.data.{name} is now {_MOVED[name]}.{name} "
                              f"(from {_MOVED[name]} import {name})")
@@ -47,3 +59,9 @@ def __getattr__(name: str) -> Any:
 
         return getattr(converter, name)
     raise AttributeError(f"module 'hvd_spark.data' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazy names (make_converter, Converter, write_dataset) too: the API reference and
+    # tab completion list what __dir__ returns.
+    return sorted({*globals(), *__all__})

@@ -16,7 +16,7 @@ pyarrow >= 16) replaced::
 
     hvd_spark.run(train, num_proc=2)                    # converter ships in the closure
 
-The DataFrame is written by ``hvd_spark.data.writer.prepare_data`` (checked for nulls,
+The DataFrame is written by ``hvd_spark.data.writer.write_dataset`` (checked for nulls,
 NaN, ragged arrays and unsupported types before anything is written) and cached by
 content: the same data with the same columns and file count reuses the files, in any
 session, without writing. ``Converter`` holds only the dataset spec, the Store and the
@@ -30,19 +30,16 @@ import os
 import posixpath
 import tempfile
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from hvd_spark import _loaders
 from hvd_spark.data.converter_loaders import BatchStream, resolve_shard
 from hvd_spark.data.reader import ShardReader
 from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError, DataError
-
-if TYPE_CHECKING:
-    from hvd_spark.tensorflow.data import TFDatasetContext
-    from hvd_spark.torch.data import TorchLoader
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +95,7 @@ def make_converter(
     try:
         # One "process" of num_files partitions: rows >= 1 is the only size check, and
         # the cache key (content, columns, file count) is the writer's own.
-        spec = writer.prepare_data(df, store, feature_cols=names, num_proc=1, batch_size=1,
+        spec = writer.write_dataset(df, store, feature_cols=names, num_proc=1, batch_size=1,
                                    partitions_per_process=num_files)
     except DataError as exc:
         if columns is not None:
@@ -171,11 +168,12 @@ class Converter:
         columns: Sequence[str] | None = None,
         shuffling_queue_capacity: int | None = None,
         workers_count: int | None = None,
-    ) -> TorchLoader:
+    ) -> Any:
         """A loader of this shard's batches as dicts ``column -> torch.Tensor``.
 
-        Use it as a context manager (``with ... as loader:``), which stops its reading
-        threads on exit; it is also the iterable itself.
+        A ``hvd_spark.torch.data.TorchLoader``, which ``import hvd_spark.torch`` provides
+        (the data layer imports no framework). Use it as a context manager (``with ... as
+        loader:``), which stops its reading threads on exit; it is also the iterable itself.
 
         Args:
             batch_size: Rows per batch on this rank.
@@ -194,16 +192,12 @@ class Converter:
             workers_count: Row groups decoded in parallel (petastorm's name).
 
         Raises:
-            ConfigError: A bad argument. DataError: The cache was deleted, or too few
-            rows for one batch per shard.
+            ConfigError: A bad argument, or ``hvd_spark.torch`` not imported. DataError:
+            The cache was deleted, or too few rows for one batch per shard.
         """
-        # The one place the data layer reaches a binding (petastorm's API puts the loader
-        # on the converter): declared in pyproject.toml's import contracts.
-        from hvd_spark.torch.data import TorchLoader
-
-        return TorchLoader(self._stream(batch_size, num_epochs, shuffle, cur_shard,
-                                        shard_count, seed, columns, shuffling_queue_capacity,
-                                        workers_count), device)
+        stream = self._stream(batch_size, num_epochs, shuffle, cur_shard, shard_count, seed,
+                              columns, shuffling_queue_capacity, workers_count)
+        return _framework_loader("torch", stream, device=device)
 
     def make_tf_dataset(
         self,
@@ -217,18 +211,18 @@ class Converter:
         columns: Sequence[str] | None = None,
         shuffling_queue_capacity: int | None = None,
         workers_count: int | None = None,
-    ) -> TFDatasetContext:
+    ) -> Any:
         """A context manager yielding a ``tf.data.Dataset`` of this shard's batches.
 
         Elements are dicts ``column -> tf.Tensor`` (petastorm yields namedtuples:
         ``x.features`` becomes ``x["features"]``); integer columns are ``tf.int64``,
-        floats ``tf.float32`` by default. Arguments as for ``make_torch_dataloader``.
+        floats ``tf.float32`` by default. A ``hvd_spark.tensorflow.data.TFDatasetContext``,
+        which ``import hvd_spark.tensorflow`` provides. Arguments as for
+        ``make_torch_dataloader``.
         """
-        from hvd_spark.tensorflow.data import TFDatasetContext  # as for torch, above
-
-        return TFDatasetContext(self._stream(batch_size, num_epochs, shuffle, cur_shard,
-                                             shard_count, seed, columns,
-                                             shuffling_queue_capacity, workers_count))
+        stream = self._stream(batch_size, num_epochs, shuffle, cur_shard, shard_count, seed,
+                              columns, shuffling_queue_capacity, workers_count)
+        return _framework_loader("tensorflow", stream)
 
     def delete(self) -> None:
         """Delete the cached files (every converter of the same data and settings shares them)."""
@@ -254,6 +248,16 @@ class Converter:
                              shuffle_buffer_size=shuffling_queue_capacity or None,
                              num_threads=workers_count)
         return BatchStream(reader, num_epochs, self._float_dtype)
+
+
+def _framework_loader(framework: str, stream: BatchStream, **options: Any) -> Any:
+    """The loader that ``framework``'s binding registered, over ``stream``."""
+    try:
+        factory = _loaders.loader(framework)
+    except ConfigError:
+        stream.close()  # its reader may have started threads
+        raise
+    return factory(stream, **options)
 
 
 def _float_dtype(dtype: Any) -> np.dtype | None:

@@ -105,7 +105,7 @@ def prepare_data(
         idx = _assign(location, key)
         _in_use[key] += 1
         try:
-            spec = writer.prepare_data(
+            spec = writer.write_dataset(
                 df, store, feature_cols=features, label_cols=labels,
                 sample_weight_col=sample_weight_col, validation=validation,
                 num_proc=num_processes, batch_size=1,

@@ -1,8 +1,8 @@
-"""How ``prepare_data`` stores columns in Parquet, and how the reader turns them back.
+"""How ``write_dataset`` stores columns in Parquet, and how the reader turns them back.
 
 Chosen for decoding speed, since every epoch decodes the files again:
 
-- Every column is *required*: ``prepare_data`` has refused nulls before writing, and
+- Every column is *required*: ``write_dataset`` has refused nulls before writing, and
   Parquet then stores no definition levels.
 - Arrays and ML Vectors (one fixed length per column, checked before writing) are
   *packed*: each row's values become one fixed-size binary value holding the
@@ -47,7 +47,7 @@ def _pack(column: pa.ChunkedArray, spec: ColumnSpec) -> pa.Array:
     width = math.prod(spec.shape)
     values = np.ascontiguousarray(lists.flatten().to_numpy(zero_copy_only=False), dtype=dtype)
     if values.size != len(lists) * width:
-        raise DataError(  # prepare_data checked the lengths; this guards the packing itself
+        raise DataError(  # write_dataset checked the lengths; this guards the packing itself
             f"column {spec.name!r}: {values.size} values for {len(lists)} rows of shape "
             f"{spec.shape}")
     return pa.FixedSizeBinaryArray.from_buffers(

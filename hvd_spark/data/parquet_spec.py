@@ -59,7 +59,7 @@ def spec_from_parquet(
     if not store.is_parquet_dataset(train):
         raise DataError(
             f"no readable Parquet files at {store.get_full_path(train)}: write them there "
-            "(df.write.parquet(store.get_train_data_path())) or use prepare_data"
+            "(df.write.parquet(store.get_train_data_path())) or use write_dataset"
         )
     paths = {"train": train}
     val = val_path or store.get_val_data_path()
@@ -107,7 +107,7 @@ def _columns(store: Store, first_file: str, names: list[str]) -> list[ColumnSpec
             raise DataError(
                 f"column {name!r} has Parquet type {data_type}; columns must be numbers or "
                 "lists of numbers. Convert Spark ML Vectors with "
-                "pyspark.ml.functions.vector_to_array before writing, or use prepare_data"
+                "pyspark.ml.functions.vector_to_array before writing, or use write_dataset"
             )
     return out
 

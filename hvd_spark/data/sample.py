@@ -45,7 +45,7 @@ class Sample:
 
 
 def sample_rows(df: Any, columns: Sequence[str], rows: int = 8) -> Sample | None:
-    """The first ``rows`` rows of ``columns`` of ``df``, converted as ``prepare_data`` stores
+    """The first ``rows`` rows of ``columns`` of ``df``, converted as ``write_dataset`` stores
     them and the reader reads them back.
 
     Args:
@@ -55,7 +55,7 @@ def sample_rows(df: Any, columns: Sequence[str], rows: int = 8) -> Sample | None
 
     Returns:
         The sample, or None when the rows cannot be converted (no rows, nulls, arrays of
-        unequal length): ``prepare_data`` then refuses the DataFrame with its own message.
+        unequal length): ``write_dataset`` then refuses the DataFrame with its own message.
 
     Raises:
         DataError: A column is missing or of a type that cannot be stored (the writer's

@@ -5,7 +5,7 @@ and ``file://``, ``dbfs:/``, ``hdfs://``, ``s3://``/``s3a://``, ``gs://``, ... s
 ``hvd_spark.data.filesystems``) and gives every run the same layout under the prefix::
 
     <prefix>/intermediate_train_data/<dataset key>/{train,val}/part-*.parquet, spec.json
-    <prefix>/intermediate_train_data.<idx>, intermediate_val_data.<idx>  (prepare_data's index)
+    <prefix>/intermediate_train_data.<idx>, intermediate_val_data.<idx>  (Horovod's prepare_data)
     <prefix>/runs/<run_id>/checkpoints/epoch-000003.ckpt
     <prefix>/runs/<run_id>/logs/
 
@@ -278,11 +278,11 @@ class Store(StoreFiles):
         return base if idx is None else f"{base}.{idx}"
 
     def get_train_data_path(self, idx: int | None = None) -> str:
-        """Training data path; with ``idx``, that of ``prepare_data``'s dataset ``idx``."""
+        """Training data path; with ``idx``, that of dataset ``idx`` (Horovod's prepare_data)."""
         return self._indexed("train", INTERMEDIATE_DIR, idx)
 
     def get_val_data_path(self, idx: int | None = None) -> str:
-        """Validation data path; with ``idx``, that of ``prepare_data``'s dataset ``idx``."""
+        """Validation data path; with ``idx``, that of dataset ``idx`` (Horovod's prepare_data)."""
         return self._indexed("val", VAL_DIR, idx)
 
     def get_test_data_path(self, idx: int | None = None) -> str:

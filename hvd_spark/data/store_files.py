@@ -183,6 +183,15 @@ class StoreFiles:
         """
         return _Syncer(self, self.get_run_path(run_id))
 
+    def upload_dir(self, local: str, path: str) -> None:
+        """Upload every file under the local directory ``local`` to ``path``, keeping the tree.
+
+        Nothing happens when ``local`` does not exist (a run that wrote no logs). The
+        Estimators' workers upload their TensorBoard logs this way.
+        """
+        if os.path.isdir(local):
+            _Syncer(self, path)(local)
+
     def copy(self, lpath: str, rpath: str, recursive: bool = False) -> None:
         """Upload local file ``lpath`` to ``rpath``, or (``recursive``) a directory's contents.
 

@@ -2,7 +2,7 @@
 
 The only module of ``hvd_spark.data`` that uses pyspark (imported inside functions).
 
-What happens in ``prepare_data``, in this order:
+What happens in ``write_dataset``, in this order:
 
 1. Settings and the schema are checked without running a Spark job (missing columns,
    string/struct/map columns, a non-numeric validation column).
@@ -67,7 +67,7 @@ _NUMERIC = {
 }
 
 
-def prepare_data(
+def write_dataset(
     df: Any,
     store: Store | str,
     *,
@@ -102,7 +102,8 @@ def prepare_data(
             write the training files to, instead of the content-addressed cache; the spec
             goes beside them as ``_hvd_spark_spec.json`` (Spark and pyarrow skip ``_``
             files). A dataset already there with the same cache key is reused; anything
-            else there is replaced. Used by ``dataset_index.prepare_data``.
+            else there is replaced. Used by Horovod's context manager
+            (``dataset_index.prepare_data``).
         val_dir: Directory of the validation files when ``train_dir`` is given.
 
     Returns:

@@ -226,7 +226,7 @@ class HvdEstimator(tuning.SharedStoreFit, tracking.TrackedFit, Estimator, Keywor
         _check_writable(store)
         dry_run.check(self, df)  # the model on a few rows, before any data is written
         seed = self.value("random_seed")
-        dataset = writer.prepare_data(
+        dataset = writer.write_dataset(
             df, store,
             feature_cols=self.value("feature_cols"),
             label_cols=self.value("label_cols"),

@@ -69,7 +69,7 @@ def check(estimator: Any, df: Any) -> None:
     sample = sample_rows(df, [*estimator.value("feature_cols"), *estimator.value("label_cols"),
                               *([weight] if weight else [])], ROWS)
     if sample is None:
-        return  # nulls, empty, ragged arrays: prepare_data says so in its own words
+        return  # nulls, empty, ragged arrays: write_dataset says so in its own words
     batch = transformed(estimator, sample)
     estimator._dry_run(sample, batch)
     log.debug("dry run on %d rows: %.3f s", sample.rows, time.perf_counter() - started)

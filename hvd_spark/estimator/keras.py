@@ -97,7 +97,7 @@ class KerasEstimator(HvdEstimator):
     """Spark ML Estimator training a Keras 3 model with hvd_spark's DistributedOptimizer.
 
     Parameters are Horovod's ``horovod.spark.keras.KerasEstimator``'s, with its meaning,
-    plus ``output_cols`` (see the README, "Porting from Horovod: Spark"):
+    plus ``output_cols`` (see the guide ``docs/guides/porting.md``, "Spark"):
 
     - Feature columns are reshaped to the model's input shapes and labels to
       ``label_shapes`` (default: the model's output shapes) when they hold as many

@@ -152,16 +152,6 @@ def place_keras(use_gpu: bool, local_rank: int, tf: Any) -> None:
     tf.config.experimental.set_memory_growth(gpu, True)
 
 
-def _upload_dir(local: str, store, rel_dir: str) -> None:
-    """Copy every file under ``local`` to ``rel_dir`` in the store (TensorBoard logs)."""
-    for root, _, files in os.walk(local):
-        for name in files:
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, local).replace(os.sep, "/")
-            with open(path, "rb") as f:
-                store.write_bytes(f"{rel_dir}/{rel}", f.read())
-
-
 def _user_callbacks(keras, payload: dict, rank: int, spec: TrainSpec, workdir: str) -> list:
     """The user's callbacks for this rank: TensorBoard on rank 0 only, writing to a local
     directory uploaded to the store's logs path after every epoch; the checkpoint
@@ -185,10 +175,10 @@ def _user_callbacks(keras, payload: dict, rank: int, spec: TrainSpec, workdir: s
 
         class UploadLogs(keras.callbacks.Callback):
             def on_epoch_end(self, epoch, logs_=None):
-                _upload_dir(os.path.join(workdir, "logs"), spec.store, logs)
+                spec.store.upload_dir(os.path.join(workdir, "logs"), logs)
 
             def on_train_end(self, logs_=None):
-                _upload_dir(os.path.join(workdir, "logs"), spec.store, logs)
+                spec.store.upload_dir(os.path.join(workdir, "logs"), logs)
 
         out.append(UploadLogs())
     return out

@@ -95,15 +95,6 @@ def _callbacks(pl: Any, spec: TrainSpec, history: list[dict], workdir: str,
     return [EpochEnd(), *([NanGuard()] if terminate_on_nan else [])]
 
 
-def _upload_dir(local: str, store: Any, rel_dir: str) -> None:
-    for root, _, files in os.walk(local):
-        for name in files:
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, local).replace(os.sep, "/")
-            with open(path, "rb") as f:
-                store.write_bytes(f"{rel_dir}/{rel}", f.read())
-
-
 def train_lightning(spec: TrainSpec, payload: dict) -> dict | None:
     """Runs on every rank: a Lightning Trainer with hvd_spark's strategy."""
     set_start_method(spec.mp_start_method)
@@ -152,7 +143,7 @@ def train_lightning(spec: TrainSpec, payload: dict) -> dict | None:
                     val_dataloaders=val, ckpt_path=ckpt_path)
         if hvd.rank() != 0:
             return None
-        _upload_dir(os.path.join(workdir, "logs"), spec.store, spec.store.logs_path(spec.run_id))
+        spec.store.upload_dir(os.path.join(workdir, "logs"), spec.store.logs_path(spec.run_id))
         best = next((cb.best_model_path for cb in trainer.checkpoint_callbacks
                      if getattr(cb, "best_model_path", "")), "")
         if best:  # Horovod returns the best checkpoint's model when there is one

@@ -124,8 +124,12 @@ def camel(name: str) -> str:
 
 def define_params(cls: type, specs: list[tuple[str, str, Any, Any]]) -> type:
     """Attach each Param and its ``setX``/``getX`` accessors to ``cls``."""
-    for name, doc, converter, _ in specs:
+    for name, doc, converter, default in specs:
         param = Param(Params._dummy(), name, doc, typeConverter=converter)
+        # The API reference and help() read __doc__: each Param's own description, not
+        # pyspark's class docstring (an instance attribute wins; Params' copies keep it).
+        param.__doc__ = f"{doc[:1].upper()}{doc[1:]}." + (
+            "" if default is None else f" Default: {default!r}.")
         setattr(cls, name, param)
 
         def setter(self, value, _name=name):

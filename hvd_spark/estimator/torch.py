@@ -155,8 +155,8 @@ class TorchEstimator(TorchInputShapes, HvdEstimator):
     """Spark ML Estimator training a torch model with hvd_spark's DistributedOptimizer.
 
     Parameters are Horovod's ``horovod.spark.torch.TorchEstimator``'s, with its meaning,
-    plus ``output_cols``; see ``help(TorchEstimator.__init__)``'s signature and the
-    README ("Porting from Horovod: Spark") for what differs:
+    plus ``output_cols``; see ``help(TorchEstimator.__init__)``'s signature and the guide
+    ``docs/guides/porting.md`` ("Spark") for what differs:
 
     - ``input_shapes`` may have Horovod's leading -1 batch dimension (``[[-1, 1, 28,
       28]]``) or be the shape of one row (``[[1, 28, 28]]``).

@@ -225,7 +225,7 @@ def check_loss(value: float, epoch: int, step: int, spec: TrainSpec, steps: int,
         f"the training loss became {value} at epoch {epoch + 1} of {spec.epochs}, step "
         f"{step + 1} of {steps} (rank {rank}); training stopped instead of returning a broken "
         "model. Lower the learning rate, clip gradients, or look for extreme feature or "
-        "label values (prepare_data refuses NaN/inf input, not huge values)")
+        "label values (write_dataset refuses NaN/inf input, not huge values)")
 
 
 def set_start_method(method: str | None) -> None:

@@ -8,7 +8,8 @@ import re
 import shutil
 import sys
 
-from hvd_spark import __version__, _env
+from hvd_spark import _env
+from hvd_spark._version import __version__
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S
 from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
 from hvd_spark.runner.elastic.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob

@@ -10,6 +10,7 @@ the states, the Keras callbacks) and ``Compression``.
 
 from __future__ import annotations
 
+from hvd_spark import _loaders
 from hvd_spark.collectives import (
     Adasum,
     Average,
@@ -104,3 +105,14 @@ __all__ = [
     "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
     "start_timeline", "stop_timeline",
 ]
+
+
+def _tf_dataset(stream: object) -> object:
+    # Converter.make_tf_dataset's dataset; its module loads on first use.
+    from hvd_spark.tensorflow.data import TFDatasetContext
+
+    return TFDatasetContext(stream)
+
+
+# The data layer imports no binding: it finds the dataset here (hvd_spark/_loaders.py).
+_loaders.register("tensorflow", _tf_dataset)

@@ -13,6 +13,11 @@ from hvd_spark import collectives as C
 from hvd_spark.errors import ConfigError
 from hvd_spark.tensorflow.functions import broadcast_variables, check_same_everywhere
 
+__all__ = [
+    "BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback", "MetricAverageCallback",
+]
+
 log = logging.getLogger(__name__)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_spark import collectives as C
+from hvd_spark.collectives import _plumbing
 from hvd_spark.collectives.ops import ReduceOp
 from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
 from hvd_spark.errors import ConfigError
@@ -103,7 +104,7 @@ def _raw_broadcast(tensors: list[tf.Tensor], root_rank: int, name: str | None,
                    process_set: ProcessSet) -> list[tf.Tensor]:
     base = kernel.graph_name("broadcast", name)
     if base is None and len(tensors) > 1:
-        base = C.auto_name("grouped_broadcast", None, process_set)
+        base = _plumbing.auto_name("grouped_broadcast", None, process_set)
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
         if len(arrays) == 1:

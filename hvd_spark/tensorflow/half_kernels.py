@@ -110,26 +110,8 @@ def scale(arr: np.ndarray, factor: float) -> bool:
 
 KERNELS = ops.HalfKernels(name="tensorflow", reduce=reduce, scale=scale)
 
-_registered_once = False
-
-
-def register() -> None:
-    """Reduce and scale large float16 arrays with TensorFlow from now on, unless another
-    binding's kernels are registered already."""
-    if ops.half_kernels_name() == "numpy":
-        ops.register_half_kernels(KERNELS)
-
-
-def register_once() -> None:
-    """:func:`register` on this process's first call only (``hvd_spark.tensorflow.init``
-    calls it), so that a later :func:`unregister` or ``ops.register_half_kernels`` stays."""
-    global _registered_once
-    if not _registered_once:
-        _registered_once = True
-        register()
-
-
-def unregister() -> None:
-    """Go back to the numpy kernels if TensorFlow's are the registered ones."""
-    if ops.half_kernels_name() == KERNELS.name:
-        ops.register_half_kernels(None)
+# register(): TensorFlow's from now on unless another binding's (torch's, faster) are
+# registered; register_once(): on hvd_spark.tensorflow's first init(); unregister().
+_REGISTRATION = ops.HalfKernelRegistration(KERNELS, replace=False)
+register, register_once, unregister = (_REGISTRATION.register, _REGISTRATION.register_once,
+                                       _REGISTRATION.unregister)

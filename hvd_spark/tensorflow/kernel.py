@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_spark import collectives as C
+from hvd_spark.collectives import _plumbing
 from hvd_spark.collectives.buffers import ALIGN_BYTES, aligned_empty
 from hvd_spark.errors import CollectiveArgumentError, ConfigError
 
@@ -193,7 +194,7 @@ def eager_name(kind: str, name: str | None, process_set: C.ProcessSet) -> str | 
     pair with the wrong partner. Graph names are fixed at build time instead.
     """
     if name is None and tf.executing_eagerly() and C.is_initialized():
-        return C.auto_name(kind, None, process_set)
+        return _plumbing.auto_name(kind, None, process_set)
     return name
 
 
@@ -207,8 +208,8 @@ def fail_locally(kind: str, names: Sequence[str | None], process_set: C.ProcessS
     if tf.executing_eagerly() and C.is_initialized():
         for name in names:
             if name is not None:
-                key = C.auto_name(kind, name, process_set)  # the key the engine would use
-                C.report_failure(kind, key, exc, process_set.members())
+                key = _plumbing.auto_name(kind, name, process_set)  # the key the engine would use
+                _plumbing.report_failure(kind, key, exc, process_set.members())
     return exc
 
 

@@ -5,6 +5,7 @@ in hvd_spark's background engine on numpy views of CPU tensors; CUDA tensors sta
 GPU (NCCL or CUDA IPC) with the ``gpu`` extra, and are staged through host memory without it.
 """
 
+from hvd_spark import _loaders
 from hvd_spark.collectives import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
@@ -99,3 +100,15 @@ __all__ = [
     "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
     "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]
+
+
+def _torch_loader(stream: object, device: object = None) -> object:
+    # Converter.make_torch_dataloader's loader. Its module (with pyarrow's reader) loads on
+    # first use, not with the binding.
+    from hvd_spark.torch.data import TorchLoader
+
+    return TorchLoader(stream, device)
+
+
+# The data layer imports no binding: it finds the loader here (hvd_spark/_loaders.py).
+_loaders.register("torch", _torch_loader)

@@ -59,24 +59,8 @@ def scale(arr: np.ndarray, factor: float) -> bool:
 
 KERNELS = ops.HalfKernels(name="torch", reduce=reduce, scale=scale)
 
-_registered_once = False
-
-
-def register() -> None:
-    """Reduce and scale float16/bfloat16 with torch from now on (in this process)."""
-    ops.register_half_kernels(KERNELS)
-
-
-def register_once() -> None:
-    """:func:`register` on this process's first call only (``hvd_spark.torch.init`` calls
-    it), so that a later :func:`unregister` or ``ops.register_half_kernels`` stays."""
-    global _registered_once
-    if not _registered_once:
-        _registered_once = True
-        register()
-
-
-def unregister() -> None:
-    """Go back to the numpy kernels if torch's are the registered ones."""
-    if ops.half_kernels_name() == KERNELS.name:
-        ops.register_half_kernels(None)
+# register(): torch's from now on, replacing any; register_once(): on hvd_spark.torch's
+# first init(); unregister(): back to numpy.
+_REGISTRATION = ops.HalfKernelRegistration(KERNELS, replace=True)
+register, register_once, unregister = (_REGISTRATION.register, _REGISTRATION.register_once,
+                                       _REGISTRATION.unregister)

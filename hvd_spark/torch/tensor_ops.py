@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hvd_spark import collectives as C
+from hvd_spark.collectives import _plumbing
 from hvd_spark.collectives.ops import BFLOAT16, ReduceOp
 from hvd_spark.errors import ConfigError
 from hvd_spark.torch.handles import TorchHandle
@@ -126,8 +127,8 @@ def checked_tensor(tensor: Any, what: str, kind: str, name: str | None,
         return check_tensor(tensor, what, name)
     except ConfigError as exc:
         if C.is_initialized() and (process_set is _GLOBAL or process_set.included()):
-            C.report_failure(kind, C.auto_name(kind, name, process_set), exc,
-                             process_set.members())
+            _plumbing.report_failure(kind, _plumbing.auto_name(kind, name, process_set), exc,
+                                     process_set.members())
         raise
 
 
@@ -228,7 +229,7 @@ def group_base(kind: str, tensors: Any, name: str | None, process_set: C.Process
     """A group's base name for its tensors' own calls (``<base>.<i>``), numbered as the
     numpy grouped calls are (so unnamed groups of the two never share a name)."""
     _check_group(kind, tensors)
-    return C.group_base_name(kind, name, process_set)
+    return _plumbing.group_base_name(kind, name, process_set)
 
 
 def grouped_allreduce_async(
@@ -264,7 +265,7 @@ def check_grouped_allreduce(tensors: Sequence[Any], name: str | None,
                 check_tensor(tensor, "grouped_allreduce", f"{name or 'grouped_allreduce'}[{i}]")
     except ConfigError as exc:
         if C.is_initialized() and (process_set is _GLOBAL or process_set.included()):
-            C.report_grouped_failure("allreduce", len(tensors), name, exc, process_set)
+            _plumbing.report_grouped_failure("allreduce", len(tensors), name, exc, process_set)
         raise
 
 

@@ -25,7 +25,7 @@ def _every_op(device_of_rank: str) -> dict:
     import cupy
 
     import hvd_spark.collectives as hvd
-    from hvd_spark.collectives import api, device_ops, ops
+    from hvd_spark.collectives import _plumbing, device_ops, ops
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -57,7 +57,7 @@ def _every_op(device_of_rank: str) -> dict:
     a2a, splits = device_ops.alltoall_async(cupy.arange(2 * n, dtype=cupy.int32) + 100 * r,
                                             name="a2a").wait()
     out["a2a"] = (cupy.asnumpy(a2a), np.asarray(splits))
-    plan = api.current_engine().comm.plan
+    plan = _plumbing.current_engine().comm.plan
     out["mode"] = plan.mode if plan is not None else None
     hvd.shutdown()
     return out
@@ -110,7 +110,7 @@ def _two_per_gpu() -> dict:
     import cupy
 
     import hvd_spark.collectives as hvd
-    from hvd_spark.collectives import api, device_ops, ops
+    from hvd_spark.collectives import _plumbing, device_ops, ops
 
     hvd.init()
     r = hvd.rank()
@@ -119,7 +119,8 @@ def _two_per_gpu() -> dict:
     device_ops.allreduce_many_async_([x], ["h"], ops.Sum)[0].wait()
     b = cupy.full(10, float(r), cupy.float32)
     device_ops.broadcast_async_(b, 3, "hb").wait()
-    out = {"sum": float(x[0]), "bcast": float(b[0]), "mode": api.current_engine().comm.plan.mode}
+    out = {"sum": float(x[0]), "bcast": float(b[0]),
+           "mode": _plumbing.current_engine().comm.plan.mode}
     hvd.shutdown()
     return out
 

@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 
 import hvd_spark.collectives as hvd
+from tests.waiting import wait_until
 
 
 def all_ops() -> dict:
@@ -44,8 +45,7 @@ def all_ops() -> dict:
     out["obj"] = hvd.broadcast_object({"from": r, "list": [1, 2]}, root_rank=1 % n)
     out["objs"] = hvd.allgather_object(("rank", r))
     h = hvd.allreduce_async(np.ones(1000) * r, name="async.1", op=hvd.Sum)
-    while not hvd.poll(h):
-        time.sleep(0.001)
+    wait_until(lambda: hvd.poll(h), timeout=60, what="poll() of async.1")
     out["async"] = hvd.synchronize(h)
     hvd.barrier()
     return out
@@ -57,9 +57,9 @@ def out_of_order_and_fusion() -> dict:
     names = ["a", "b", "c"] if r % 2 == 0 else ["c", "b", "a"]
     handles = {nm: hvd.allreduce_async(np.ones(4) * (r + 1), name=nm, op=hvd.Sum) for nm in names}
     ooo = {nm: hvd.synchronize(h).tolist() for nm, h in handles.items()}
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     before = (engine.executed_responses, engine.executed_tensors)
     # Above the eager size, so they take the ring (fused); eager ones have nothing to fuse.
     rows = engine.eager_bytes // 4 + 1
@@ -75,11 +75,11 @@ def eager_paths() -> dict:
     and out of place, any submission order, sizes either side of the eager limit."""
     import threading
 
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     out: dict = {"limit": engine.eager_bytes}
     eager_before = engine.executed_eager
     x = np.arange(12, dtype=np.float64).reshape(3, 4) * (r + 1) - 5
@@ -137,10 +137,8 @@ def eager_paths() -> dict:
     out["threads"] = {t: results.get(t) for t in range(4)}
     # An async operation nobody waits for still completes (the background thread runs it).
     handle = hvd.allreduce_async(np.ones(2) * (r + 1), name="unwaited", op=hvd.Sum)
-    deadline = time.monotonic() + 10
-    while not hvd.poll(handle) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    out["unwaited_done"] = hvd.poll(handle)
+    out["unwaited_done"] = wait_until(lambda: hvd.poll(handle), timeout=10,
+                                      what="the unwaited allreduce")
     out["unwaited"] = hvd.synchronize(handle).tolist()
     out["eager_count"] = engine.executed_eager - eager_before
     hvd.shutdown()
@@ -347,7 +345,7 @@ def autotune_mid_run(max_steps: int = 400) -> dict:
     import hashlib
     import logging
 
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     messages: list[str] = []
 
@@ -361,7 +359,7 @@ def autotune_mid_run(max_steps: int = 400) -> dict:
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     pair = hvd.add_process_set([0, 1]) if n >= 3 else None
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     shapes = [(700_000,), (3, 1000), (17,), (120_000,), (5,)]  # 2.8 MB down to 20 B
     digests, pair_digests, chunks, worst = [], [], [], 0.0
     done, step = False, 0
@@ -394,11 +392,11 @@ def held_requests() -> dict:
     """Submissions wait to be sent until the next cycle (``TcpEngine._submitted``): a burst
     leaves in a frame or two, and a pair decided before its half left still sends that
     half's input, not the result written into it."""
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r = hvd.rank()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     out: dict = {}
     # Rank 0's copies reach rank 1 before rank 1 submits: rank 1 could decide each pair
     # the moment it records its own half, while that half is still held.
@@ -458,11 +456,11 @@ def burst_through_small_socket_buffers(count: int = 160) -> dict:
     other to read (Linux's default buffer limits are about 200 KB; these are 64 KB)."""
     import socket
 
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r = hvd.rank()
-    for sock in api.current_engine()._control.values():
+    for sock in _plumbing.current_engine()._control.values():
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, 64 * 1024)
     hvd.barrier()
@@ -483,11 +481,11 @@ def hold_after_a_thread_switch() -> dict:
     """Rank 1's thread is switched out between recording a paired request and holding
     it (a delay injected there), while rank 0's copy is already in: the pair must still
     send rank 1's input, not the result written into its array."""
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r = hvd.rank()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     if r == 1:
         hold = engine._hold
 
@@ -517,10 +515,11 @@ def submissions_while_another_thread_drives(count: int = 40) -> dict:
     hvd.barrier()
     if r == 0:
         handles = [hvd.allgather_async(np.ones(2), name=f"b.{i}") for i in range(count)]
-        time.sleep(0.2 + 0.01 * count + 1.0)
-        hvd.allreduce(np.ones(2), name="slow")
+        # Each completes when rank 1 submits its half: all done, rank 1's loop is over, and
+        # only then does rank 0 join "slow" (rank 1's thread A waited in it all along).
         for h in handles:
             hvd.synchronize(h)
+        hvd.allreduce(np.ones(2), name="slow")
         hvd.barrier()
         hvd.shutdown()
         return {}

@@ -62,9 +62,9 @@ def _counters(engine, before: tuple[int, int]) -> dict:
 
 
 def _engine():
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
-    return api.current_engine()
+    return _plumbing.current_engine()
 
 
 def express_rounds(count: int, slow_rank: int | None = None, delay_s: float = 0.0,

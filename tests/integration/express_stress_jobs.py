@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import hvd_spark.collectives as hvd
-from hvd_spark.collectives import api, ops
+from hvd_spark.collectives import _plumbing, ops
 from hvd_spark.errors import CollectiveError
 
 DTYPES = ("float32", "float16", "bfloat16", "int32", "float64")
@@ -295,7 +295,7 @@ def stress(seed: int, threads: int, steps: int) -> None:
     threads at once, then single-threaded again; counters and cross-rank bits checked."""
     hvd.init()
     r, size = hvd.rank(), hvd.size()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     ck = Checker(r, size, engine.eager_bytes)
     slow_rank = seed % size
     timeline = os.environ.get("EXPRESS_STRESS_TIMELINE")

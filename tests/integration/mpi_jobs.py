@@ -74,12 +74,12 @@ def cached_rank_dies() -> None:
     fast rounds): rank 0 must not wait for it until the collective timeout."""
     import signal
 
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     for _ in range(20):
         hvd.allreduce(np.ones(256, np.float32), name="warm", op=ops.Sum)
-    assert api.current_engine().cached_rounds >= 10, api.current_engine().cached_rounds
+    assert _plumbing.current_engine().cached_rounds >= 10, _plumbing.current_engine().cached_rounds
     print(f"[cache warm on rank {hvd.rank()}]", flush=True)
     if hvd.rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # mid-step: rank 0 is in its next round
@@ -191,11 +191,11 @@ def _other_shape_fails(name: str) -> None:
 def response_cache() -> None:
     """Small allreduces the ranks agreed on before: each rank reduces them itself (the
     MPI engine's response cache); results equal a numpy reference bit for bit."""
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     inputs = lambda seed, shape, dtype: [  # noqa: E731 - every rank's input, known to all
         np.random.default_rng(seed * 100 + q).standard_normal(shape).astype(dtype)
         for q in range(n)]
@@ -266,11 +266,11 @@ def express() -> None:
     entry (``MpiEngine.express_allreduce``), with the bits of the usual path; when a rank
     is elsewhere (async work pending, a timeline on rank 0, another shape), the call goes
     on as a usual submission and still completes right."""
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     inputs = lambda seed, shape, dtype: [  # noqa: E731 - every rank's input, known to all
         np.asarray(np.random.default_rng(seed * 100 + q).standard_normal(shape) * 4).astype(dtype)
         for q in range(n)]

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 
 import hvd_spark.collectives as hvd
-from hvd_spark.collectives import api
+from hvd_spark.collectives import _plumbing
 from hvd_spark.errors import CollectiveError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -33,7 +33,7 @@ def grouped_results(steps: int) -> dict:
     each rank got, and how many tensors the engine ran (the packed ones count once)."""
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     out: dict = {"rank": r, "size": n, "runs": []}
     for step in range(steps):
         for op, pre, post in [(hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 0.5),
@@ -157,7 +157,7 @@ def uncopied_large_tensors() -> dict:
     that joined contributes zeros to a group it never called."""
     hvd.init()
     r = hvd.rank()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     base = np.arange(120000, dtype=np.float32).reshape(400, 300) * (r + 1)
     read_only = np.full(30000, r + 1.0, np.float32)
     read_only.flags.writeable = False

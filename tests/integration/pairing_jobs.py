@@ -107,11 +107,11 @@ def threaded_steps(seed: int, threads: int, steps: int, slow_rank: int | None = 
         {"results": per thread, per step, the results in batch order (or the error
         text), "paired": allreduces decided by the two ranks alone}
     """
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r = hvd.rank()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     plan = plan_threads(seed, threads, steps)
     results: dict[int, list] = {}
     before = engine.paired
@@ -261,11 +261,11 @@ def process_sets_mixed(seed: int, steps: int) -> dict:
     Returns:
         {"steps": per step {name: result}, "paired": allreduces decided alone}
     """
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r = hvd.rank()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     sets = [hvd.add_process_set([0]), hvd.add_process_set([1])]
     jitter = random.Random(seed * 31 + r)
     before = engine.paired
@@ -301,11 +301,11 @@ def opposite_orders_and_late_halves(steps: int = 30) -> dict:
         "mixed": (error text, seconds) per mixed case, "late1", "late0": the late
         allreduces' results, "paired_late": their pairs}
     """
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r = hvd.rank()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     names = ["loss", "acc", "count"]
     before = engine.paired
     out: dict = {"steps": []}

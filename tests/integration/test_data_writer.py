@@ -1,4 +1,4 @@
-"""prepare_data on real local Spark: types, validation splits, cache, every bad input."""
+"""write_dataset on real local Spark: types, validation splits, cache, every bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pyspark  # noqa: F401 - CI installs it: never a skip
 import pytest
 
-from hvd_spark.data import ShardReader, Store, prepare_data
+from hvd_spark.data import ShardReader, Store, write_dataset
 from hvd_spark.errors import ConfigError, DataError
 
 
@@ -30,7 +30,7 @@ def df(spark):
 def fit(df, store, **kw):
     args = dict(feature_cols=["id", "x", "arr", "vec"], label_cols="y", num_proc=2, batch_size=4)
     args.update(kw)
-    return prepare_data(df, store, **args)
+    return write_dataset(df, store, **args)
 
 
 def mtimes(store, spec):
@@ -128,7 +128,7 @@ def test_bad_settings_and_schema_fail_before_any_job(spark, tmp_path, kwargs, er
     args = dict(feature_cols=["id", "x"], num_proc=1, batch_size=1)
     args.update(kwargs)
     with pytest.raises(error, match=match):
-        prepare_data(df, str(tmp_path), **args)
+        write_dataset(df, str(tmp_path), **args)
     assert not os.path.exists(tmp_path / "intermediate_train_data")
 
 
@@ -158,6 +158,6 @@ def test_bad_settings_and_schema_fail_before_any_job(spark, tmp_path, kwargs, er
 def test_bad_data_fails_before_writing(spark, tmp_path, rows, kwargs, match):
     df = spark.createDataFrame(rows, "id long, x double, arr array<double>, v int")
     with pytest.raises(DataError, match=match):
-        prepare_data(df, str(tmp_path), feature_cols=["x", "arr"], label_cols="id", num_proc=2,
+        write_dataset(df, str(tmp_path), feature_cols=["x", "arr"], label_cols="id", num_proc=2,
                      batch_size=4, **kwargs)
     assert not os.path.exists(tmp_path / "intermediate_train_data")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvd_spark.errors import WorkerFailedError
+from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.runner.elastic.elastic_local import run_elastic_local
 from hvd_spark.runner.local.local_launcher import run_local
 from tests.integration import collective_jobs as jobs
@@ -172,7 +172,7 @@ def test_run_elastic_local_returns_the_final_ranks_results_in_rank_order():
 
 
 def test_elastic_settings_are_checked_before_anything_starts():
-    with pytest.raises(Exception, match="min_np <= num_proc <= max_np"):
+    with pytest.raises(ConfigError, match="min_np <= num_proc <= max_np"):
         run_elastic_local(_numpy_elastic, args=(0,), num_proc=3, min_np=4)
 
 

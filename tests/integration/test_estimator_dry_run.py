@@ -94,10 +94,10 @@ def test_dry_run_false_skips_it(frame, tmp_path, monkeypatch):
     class Reached(Exception):
         pass
 
-    def prepare_data(*args, **kwargs):
+    def write_dataset(*args, **kwargs):
         raise Reached
 
-    monkeypatch.setattr(writer, "prepare_data", prepare_data)
+    monkeypatch.setattr(writer, "write_dataset", write_dataset)
     with pytest.raises(Reached):  # past where the dry run would have refused the label
         _torch(tmp_path, label_cols=["label_d"], dry_run=False).fit(frame)
     with pytest.raises(ConfigError, match="dry_run must be True or False"):

@@ -10,7 +10,7 @@ from pyspark.ml.feature import VectorAssembler
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from hvd_spark.errors import ConfigError
+from hvd_spark.errors import ConfigError, DataError
 from hvd_spark.estimator import KerasEstimator, KerasModel, TorchEstimator, TorchModel
 
 W = np.array([1.5, -2.0, 0.75, 0.0])
@@ -136,7 +136,6 @@ def test_torch_resume_by_run_id(frames, tmp_path):
 
 
 def test_bad_parameters_fail_before_training(frames, tmp_path):
-    import torch
 
     train, _, _ = frames
     with pytest.raises(ConfigError, match="unknown parameter.*'lr'"):
@@ -145,13 +144,12 @@ def test_bad_parameters_fail_before_training(frames, tmp_path):
         _torch_estimator(tmp_path, optimizer="adam").fit(train)
     with pytest.raises(ConfigError, match="epochs must be >= 1"):
         _torch_estimator(tmp_path, epochs=0).fit(train)
-    with pytest.raises(Exception, match="nope"):
+    with pytest.raises(DataError, match="nope"):
         _torch_estimator(tmp_path, feature_cols=["nope"]).fit(train)
     with pytest.raises(ConfigError, match="loss"):
         est = _torch_estimator(tmp_path)
         est._paramMap.pop(est.loss)
         est.fit(train)
-    assert torch.nn.Linear(1, 1) is not None  # torch stays importable after the failures
 
 
 def test_keras_learns_saves_and_loads(frames, tmp_path):

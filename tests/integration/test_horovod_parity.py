@@ -116,10 +116,10 @@ def test_horovod_variables_are_honoured_or_named_once():
     import subprocess
     import sys
 
-    code = ("import logging, hvd_spark.collectives as h\n"
+    code = ("import logging, hvd_spark.collectives as h, hvd_spark.collectives._plumbing as p\n"
             "h.init(); h.shutdown(); h.init()\n"
             "print(logging.getLogger('hvd_spark').level,\n"
-            "      h.api.current_engine().config.fusion_threshold)\n")
+            "      p.current_engine().config.fusion_threshold)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HVD_SPARK", "HOROVOD"))}
     env.update(HOROVOD_LOG_LEVEL="DEBUG", HOROVOD_CCL_CACHE="1", HOROVOD_FUSION_THRESHOLD="1024",
                HOROVOD_DYNAMIC_PROCESS_SETS="1")

@@ -24,11 +24,11 @@ def _group(rank: int) -> list[torch.Tensor]:
 
 def _grouped_one_request() -> dict:
     import hvd_spark.torch as hvd
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     mine, others = _group(r), [_group(k) for k in range(n)]
     originals = [t.detach().clone() for t in mine]
     before = engine.executed_tensors

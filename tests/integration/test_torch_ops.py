@@ -80,12 +80,12 @@ def _synchronous_paths() -> None:
     import numpy as np
 
     import hvd_spark.torch as hvd
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
     from hvd_spark.errors import HvdSparkError
 
     hvd.init()
     r = hvd.rank()
-    engine = api.current_engine()
+    engine = _plumbing.current_engine()
     big = torch.full((32 * 1024,), float(r + 1))  # 128 KB: over the asynchronous limit
     before = engine.paired
     assert torch.equal(hvd.allreduce(big, op=hvd.Sum), torch.full_like(big, 3.0))

@@ -21,14 +21,14 @@ _SCRIPT = textwrap.dedent("""
     import os, socket, sys, time
     import numpy as np
     import hvd_spark.collectives as hvd
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
     from hvd_spark.collectives.tcp.links import TcpLink
 
     hvd.init()
     r = hvd.rank()
     total = hvd.allreduce(np.full(1 << 18, float(r + 1)), op=hvd.Sum)
-    peers = sorted(link.sock.getpeername()[0] for link in api.current_engine().comm.links.values()
-                   if isinstance(link, TcpLink))
+    links = _plumbing.current_engine().comm.links.values()
+    peers = sorted(link.sock.getpeername()[0] for link in links if isinstance(link, TcpLink))
     print("RESULT", r, hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(),
           hvd.cross_size(), socket.gethostname(), float(total[0]), float(total[-1]),
           os.environ.get("MY_SETTING"), ",".join(peers) or "-", flush=True)

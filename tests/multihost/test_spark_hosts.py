@@ -28,11 +28,11 @@ def _placement():
     import socket
 
     import hvd_spark.collectives as hvd
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
     from hvd_spark.collectives.tcp.links import TcpLink
 
     hvd.init()
-    comm = api.current_engine().comm
+    comm = _plumbing.current_engine().comm
     tcp_peers = sorted(p for p, link in comm.links.items() if isinstance(link, TcpLink))
     addrs = sorted({comm.links[p].sock.getpeername()[0] for p in tcp_peers})
     return {"addrs": addrs, "rank": hvd.rank(), "size": hvd.size(),
@@ -153,11 +153,11 @@ def test_torch_estimator_fits_across_hosts(cluster, tmp_path):
 
 def _peer_addresses():
     import hvd_spark.collectives as hvd
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
     from hvd_spark.collectives.tcp.links import TcpLink
 
     hvd.init()
-    links = api.current_engine().comm.links.values()
+    links = _plumbing.current_engine().comm.links.values()
     return sorted(link.sock.getpeername()[0] for link in links if isinstance(link, TcpLink))
 
 

@@ -35,4 +35,19 @@ def test_build_queries_agree_between_bindings():
     for name in ["mpi_built", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
                  "cuda_built", "rocm_built", "mpi_enabled", "gloo_enabled"]:
         assert getattr(torch_hvd, name)() == getattr(tf_hvd, name)(), name
-    assert torch_hvd.nccl_built() == 0 and torch_hvd.cuda_built() is False
+    # Against what is installed here: cupy (the gpu extra) and the NCCL it loads, if any.
+    import importlib.util
+
+    has_cupy = importlib.util.find_spec("cupy") is not None
+    assert torch_hvd.cuda_built() is has_cupy
+    nccl = torch_hvd.nccl_built()
+    if not has_cupy:
+        assert nccl == 0
+    else:
+        try:
+            from cupy.cuda import nccl as cupy_nccl
+
+            expected = int(cupy_nccl.get_version())
+        except Exception:  # no NCCL library or no CUDA driver: Horovod's 0
+            expected = 0
+        assert nccl == expected

@@ -143,6 +143,31 @@ def test_unpickling_a_converter_loads_no_framework_or_spark(converter):
     assert out.stdout.decode().strip() == "[]"
 
 
+def test_the_torch_loader_comes_from_the_binding_that_registers_it(converter):
+    # The data layer imports no binding: without `import hvd_spark.torch` the converter says
+    # what to import; after it, the loader yields torch tensors.
+    code = (
+        "import pickle, sys\n"
+        "from hvd_spark.errors import ConfigError\n"
+        "conv = pickle.loads(sys.stdin.buffer.read())\n"
+        "try:\n"
+        "    conv.make_torch_dataloader(batch_size=4, num_epochs=1, cur_shard=0, shard_count=1)\n"
+        "except ConfigError as exc:\n"
+        "    print('refused:', exc)\n"
+        "import hvd_spark.torch\n"
+        "with conv.make_torch_dataloader(batch_size=4, num_epochs=1, cur_shard=0,\n"
+        "                                shard_count=1) as loader:\n"
+        "    batch = next(iter(loader))\n"
+        "print(type(batch['x']).__name__, tuple(batch['x'].shape), len(loader))\n")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(converter),
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()
+    lines = out.stdout.decode().splitlines()
+    assert lines[0] == ("refused: Converter.make_torch_dataloader needs hvd_spark.torch: import "
+                        "it in the rank first (import hvd_spark.torch as hvd), as for hvd.init()")
+    assert lines[1] == f"Tensor (4, 3) {ROWS // 4}"
+
+
 class _Conf:
     def __init__(self, values: dict[str, str]) -> None:
         self.values = values

@@ -92,3 +92,17 @@ def test_pickle_keeps_url_and_recreates_filesystem(tmp_path):
     assert clone.read_bytes("f") == b"x"
     dbfs = pickle.loads(pickle.dumps(DBFSLocalStore("dbfs:/a")))
     assert type(dbfs) is DBFSLocalStore and dbfs.url == "/dbfs/a"
+
+
+def test_upload_dir_copies_the_tree_and_skips_a_missing_directory(tmp_path):
+    store = LocalStore(str(tmp_path / "store"))
+    local = tmp_path / "logs"
+    (local / "train").mkdir(parents=True)
+    (local / "events.out").write_bytes(b"top")
+    (local / "train" / "events.out").write_bytes(b"nested")
+    logs = store.logs_path("run1")
+    store.upload_dir(str(local), logs)
+    assert store.read_bytes(f"{logs}/events.out") == b"top"
+    assert store.read_bytes(f"{logs}/train/events.out") == b"nested"
+    store.upload_dir(str(tmp_path / "never-written"), f"{logs}/other")  # no logs: no error
+    assert not store.exists(f"{logs}/other")

@@ -9,6 +9,7 @@ import pytest
 
 from hvd_spark.errors import ConfigError, ElasticJobError
 from hvd_spark.runner.elastic.elastic_driver import ElasticDriver, ElasticSettings
+from tests.waiting import wait_until
 
 
 def _settings(**kw) -> ElasticSettings:
@@ -36,10 +37,27 @@ def _join_all(driver: ElasticDriver, joins: list[tuple[str, str, int]]) -> dict:
     return out
 
 
+class _Events:
+    """The driver's event lines, and an Event set when a newcomer waits to join (the driver
+    reports it before its join waits, holding its lock: no sleep needed to order the two)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.newcomer_waits = threading.Event()
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        if "is waiting to join" in line:
+            self.newcomer_waits.set()
+
+    def __iter__(self):
+        return iter(self.lines)
+
+
 @pytest.fixture
 def driver():
-    events: list[str] = []
-    d = ElasticDriver(_settings(), on_event=events.append)
+    events = _Events()
+    d = ElasticDriver(_settings(), on_event=events)
     d.events = events
     yield d
     d.close()
@@ -72,9 +90,7 @@ def test_a_newcomer_raises_the_version_and_joins_at_the_next_reset(driver):
     late: dict = {}
     t = threading.Thread(target=lambda: late.setdefault("c", driver.join("c", "h", 0)))
     t.start()
-    deadline = time.monotonic() + 5
-    while driver.current_version() == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert driver.events.newcomer_waits.wait(5)
     assert driver.current_version() == 1  # the ranks' next commit sees it
     got = _join_all(driver, [("a", "h", 1), ("b", "h", 1)])
     t.join(10)
@@ -119,12 +135,14 @@ def test_a_silent_worker_is_declared_lost_by_the_heartbeat():
     d = ElasticDriver(_settings(heartbeat_s=0.5), on_lost=lambda w, r: lost.append((w, r)))
     try:
         _join_all(d, [("a", "h", 0), ("b", "h", 0), ("c", "h", 0)])
-        deadline = time.monotonic() + 3
-        while not lost and time.monotonic() < deadline:
+
+        def a_and_b_beat() -> list:  # every check: a and b are alive, c says nothing
             d.beat("a", 1)
             d.beat("b", 1)
-            time.sleep(0.1)
-        assert lost and lost[0][0] == "c" and "no heartbeat" in lost[0][1]
+            return lost
+
+        wait_until(a_and_b_beat, timeout=3, what="c declared lost")
+        assert lost[0][0] == "c" and "no heartbeat" in lost[0][1]
     finally:
         d.close()
 
@@ -141,7 +159,7 @@ def test_bad_settings_are_refused_with_the_parameter(kw, match):
         _settings(**kw)
 
 
-def _join_in_background(driver: ElasticDriver, worker: str, last: int):
+def _join_in_background(driver: ElasticDriver, events: _Events, worker: str, last: int):
     out: dict = {}
 
     def one():
@@ -154,7 +172,7 @@ def _join_in_background(driver: ElasticDriver, worker: str, last: int):
 
     thread = threading.Thread(target=one)
     thread.start()
-    time.sleep(0.3)  # let it reach the wait
+    assert events.newcomer_waits.wait(5), "the newcomer's join never reached its wait"
     return thread, out
 
 
@@ -162,10 +180,12 @@ def _join_in_background(driver: ElasticDriver, worker: str, last: int):
 def test_a_join_waiting_when_the_job_ends_returns_at_once(end):
     # A newcomer waits for the members' next commit; the job ends first. Its join (and
     # the store connection serving it) must not wait out the 60 s start timeout.
-    d = ElasticDriver(_settings(num_proc=2, max_np=3, start_timeout=60, elastic_timeout=60))
+    events = _Events()
+    d = ElasticDriver(_settings(num_proc=2, max_np=3, start_timeout=60, elastic_timeout=60),
+                      on_event=events)
     try:
         _join_all(d, [("a", "h", 0), ("b", "h", 0)])
-        thread, out = _join_in_background(d, "c", 0)
+        thread, out = _join_in_background(d, events, "c", 0)
         assert "result" not in out  # still waiting for a place
         if end == "finished":
             d.worker_exited("a", 0)  # a member finished training: the job is done

@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 from hvd_spark.runner.heartbeat_monitor import HeartbeatMonitor
-
-
-def _wait_for(condition, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return condition()
+from tests.waiting import wait_until
 
 
 def test_a_silent_rank_is_reported_once_and_beats_answer_the_abort_reason():
     silent: list[tuple[object, float]] = []
-    monitor = HeartbeatMonitor(0.3, lambda w, s: silent.append((w, s)))
+    checks: list[None] = []
+    monitor = HeartbeatMonitor(0.3, lambda w, s: silent.append((w, s)),
+                               lambda found: checks.append(None))
     try:
         assert monitor.beat("0", 0) is None and monitor.beat("1", 0) is None
         monitor.forget(1)
-        assert _wait_for(lambda: silent)
-        time.sleep(0.6)
+        wait_until(lambda: silent, what="rank 0 reported silent")
+        # Later checks (the monitor reports each check's end) must not report it again.
+        seen = len(checks)
+        wait_until(lambda: len(checks) >= seen + 3, what="three more checks")
         assert [w for w, _ in silent] == [0] and silent[0][1] > 0.3
         monitor.abort("rank 0 froze")
         monitor.abort("a later reason")
@@ -33,12 +28,13 @@ def test_a_silent_rank_is_reported_once_and_beats_answer_the_abort_reason():
 
 def test_touch_watches_any_worker_id_and_each_check_ends_with_on_checked():
     silent: list[object] = []
-    checks = threading.Event()
-    monitor = HeartbeatMonitor(0.3, lambda w, s: silent.append(w), lambda found: checks.set())
+    checks: list[None] = []
+    monitor = HeartbeatMonitor(0.3, lambda w, s: silent.append(w),
+                               lambda found: checks.append(None))
     try:
         monitor.touch("2.0")
-        assert checks.wait(2)
-        assert _wait_for(lambda: silent == ["2.0"])
+        wait_until(lambda: checks, timeout=2, what="a check")
+        wait_until(lambda: silent == ["2.0"], timeout=3, what="2.0 reported silent")
     finally:
         monitor.close()
 
@@ -50,7 +46,7 @@ def test_a_limit_of_zero_watches_nothing_but_still_checks():
                                lambda found: checks.append(None))
     try:
         monitor.touch("a")
-        assert _wait_for(lambda: len(checks) >= 3)
+        wait_until(lambda: len(checks) >= 3, timeout=3, what="three checks")
         assert silent == []
     finally:
         monitor.close()

@@ -62,6 +62,17 @@ def test_settings_that_cannot_be_honoured_are_reported_with_why():
     assert "typo" in found["HOROVOD_FUSION_THRESHOL"]
 
 
+@pytest.mark.parametrize("capacity", ["0", "1024"])
+def test_cache_capacity_names_the_mpi_cache_and_its_real_size(capacity):
+    from hvd_spark.collectives.mpi import response_cache
+
+    why = _env.unsupported_horovod_vars({"HOROVOD_CACHE_CAPACITY": capacity})[
+        "HOROVOD_CACHE_CAPACITY"]
+    # The MPI backend has a response cache: the warning says so, with the size it really has.
+    assert "MPI backend's cache is always on" in why
+    assert f"up to {response_cache.CAPACITY} kinds" in why
+
+
 def test_one_warning_names_them_once_per_process(monkeypatch, caplog):
     monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLGATHER", "1")
     monkeypatch.setenv("HOROVOD_TORUS_ALLREDUCE", "1")

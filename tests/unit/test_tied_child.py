@@ -4,13 +4,13 @@ exec (hvd_spark.runner.tied_child). Real processes, signals and sockets."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 from hvd_spark import _env
 from hvd_spark.runner.tied_child import start_tied
@@ -27,13 +27,25 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _wait_all_exit(pidfds: list[int], timeout: float) -> None:
+    """Block until every process behind ``pidfds`` has exited (a pidfd turns readable)."""
+    pending = list(pidfds)
+    while pending:
+        ready, _, _ = select.select(pending, [], [], timeout)
+        assert ready, f"{len(pending)} process(es) still running after {timeout} s"
+        pending = [fd for fd in pending if fd not in ready]
+
+
 def test_children_die_when_their_starter_is_killed():
     # The starter: one command through start_tied (armed by the small exec wrapper), and
     # one Python child that arms itself with arm_from_env, as hvd_spark's worker does.
     starter_code = textwrap.dedent(f"""
         import os, signal, subprocess, sys
         from hvd_spark.runner.tied_child import start_tied
-        sleeper = start_tied(["sleep", "60"], signal.SIGTERM)
+        # The wrapper arms before it execs: "started" proves the command is armed.
+        sleeper = start_tied(["sh", "-c", "echo started; exec sleep 60"], signal.SIGTERM,
+                             stdout=subprocess.PIPE, text=True)
+        assert sleeper.stdout.readline() == "started\\n"
         env = {{**os.environ, {_env.DIE_WITH_PARENT!r}: f"{{os.getpid()}}:{{int(signal.SIGTERM)}}"}}
         armed = subprocess.Popen([sys.executable, "-c", {_ARMED_CHILD!r}], env=env,
                                  stdout=subprocess.PIPE, text=True)
@@ -43,16 +55,19 @@ def test_children_die_when_their_starter_is_killed():
     """)
     starter = subprocess.Popen([sys.executable, "-c", starter_code], stdout=subprocess.PIPE,
                                text=True)
+    pidfds: list[int] = []
     try:
         pids = [int(p) for p in starter.stdout.readline().split()]
         assert len(pids) == 2 and not any(_gone(p) for p in pids)
-        time.sleep(0.5)  # the wrapper has exec'd sleep by now (it arms before exec)
+        pidfds = [os.pidfd_open(p) for p in pids]  # both armed: the starter printed after
     finally:
         starter.kill()
         starter.wait(10)
-    deadline = time.monotonic() + 10
-    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    try:
+        _wait_all_exit(pidfds, 10)
+    finally:
+        for fd in pidfds:
+            os.close(fd)
     assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
 
 

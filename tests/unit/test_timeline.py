@@ -12,6 +12,7 @@ import pytest
 from hvd_spark.collectives import timeline as tl
 from hvd_spark.errors import ConfigError
 from tests import timeline_events as te
+from tests.waiting import wait_until
 
 
 def test_known_sequence_gives_horovods_rows_and_phases(tmp_path):
@@ -122,15 +123,13 @@ def test_file_is_valid_json_while_recording(tmp_path):
     try:
         t.negotiate_start("a", "allreduce")
         t.negotiate_end("a")
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and path.stat().st_size == 0:
-            time.sleep(0.01)
-        time.sleep(0.05)
-        assert te.phases(te.load(path), 1) == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]
+        # The writer thread flushes on its own; every look at the file must parse.
+        phases = wait_until(lambda: path.stat().st_size and te.phases(te.load(path), 1),
+                            what="the first write")
+        assert phases == [("B", "NEGOTIATE_ALLREDUCE"), ("E", None)]
         t.start("a", "allreduce")
         t.end("a")
-        time.sleep(0.1)
-        assert len(te.phases(te.load(path), 1)) == 4
+        wait_until(lambda: len(te.phases(te.load(path), 1)) == 4, what="the second write")
     finally:
         t.close()
     assert len(te.phases(te.load(path), 1)) == 4

@@ -96,7 +96,7 @@ def test_frames_roundtrip_over_socketpair():
     wire.send_obj(a, {"x": [1, 2, 3]})
     assert wire.recv_obj(b) == {"x": [1, 2, 3]}
     a.close()
-    with pytest.raises(Exception, match="closed"):
+    with pytest.raises(PeerDisconnectedError, match="peer closed the connection"):
         wire.recv_obj(b)
 
 
