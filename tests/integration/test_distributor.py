@@ -108,7 +108,6 @@ def test_a_failing_script_names_its_rank(spark, tmp_path) -> None:
 
 
 def _horovod_main(scale: float) -> float:
-    import torch
 
     import horovod.torch as hvd  # as sparkdl notebooks wrote it: served by the alias
 
