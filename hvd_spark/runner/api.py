@@ -16,7 +16,7 @@ import cloudpickle
 from hvd_spark import _env
 from hvd_spark.data.shares import prepare_shares
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import mlflow_env, worker
+from hvd_spark.runner import mlflow_env, mlflow_inputs, worker
 from hvd_spark.runner.console import verbose_logging
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import RunConfig
@@ -216,6 +216,7 @@ def _run_with_report(payload: bytes, config: RunConfig, df: Any = None) -> RunRe
             raise ConfigError("df= needs one rank per Spark task (ranks_per_task=1): each "
                               "task hands its partition of the DataFrame to its rank")
         data = prepare_shares(df, num_proc)  # the columns are checked before anything runs
+        mlflow_inputs.log_dataframe_input(df)  # with an active MLflow run: its lineage
     bind_host, advertise_host = spark_launcher.driver_hosts(sc)
     level = logging.INFO if config.verbose >= 1 else logging.DEBUG
     output = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr,

@@ -205,6 +205,30 @@ def test_torch_distributor_trains_on_a_dataframe(spark) -> None:
             fn, _frame(spark, 11), 1)
 
 
+def test_a_tracked_run_logs_its_dataframe_as_an_mlflow_input(spark, mlflow_client,
+                                                             tmp_path) -> None:
+    import json
+
+    import mlflow
+
+    def rows() -> int:
+        from hvd_spark.data.rank_share import RankShare
+
+        return RankShare.current().num_rows
+
+    path = str(tmp_path / "train.parquet")
+    _frame(spark, 12).select("id", "y").write.parquet(path)
+    df = spark.read.parquet(path)
+    with mlflow.start_run() as run:
+        assert sum(hvd_spark.run(rows, num_proc=2, df=df, stdout=io.StringIO())) == 12
+    (logged,) = mlflow_client.get_run(run.info.run_id).inputs.dataset_inputs
+    assert logged.dataset.source_type == "spark"
+    assert json.loads(logged.dataset.source)["path"].endswith("train.parquet")
+    assert {f["name"] for f in json.loads(logged.dataset.schema)["mlflow_colspec"]} == {"id", "y"}
+    assert logged.dataset.digest
+    assert {t.key: t.value for t in logged.tags}["mlflow.data.context"] == "training"
+
+
 # Last: the local-cluster session replaces the module's local[2] one.
 def test_shares_on_two_executors_of_a_local_cluster(spark_cluster) -> None:
     results = hvd_spark.run(_read_epochs(), args=(5, 2), num_proc=2,
