@@ -80,6 +80,10 @@ HVDRUN_LAUNCHER = "HVD_SPARK_HVDRUN_LAUNCHER"
 
 # Set by the elastic launchers: the worker joins generations instead of reading a fixed rank.
 ELASTIC = "HVD_SPARK_ELASTIC"
+#: run(fn, df=...): where the rank's task wrote its share of the DataFrame, and the
+#: smallest share's row count (``hvd_spark.data.rank_share``).
+SHARE_PATH = "HVD_SPARK_SHARE_PATH"
+SHARE_MIN_ROWS = "HVD_SPARK_SHARE_MIN_ROWS"
 #: "1": ranks serve ``import horovod...`` through ``hvd_spark.compat`` (HorovodRunner sets it).
 HOROVOD_ALIAS = "HVD_SPARK_HOROVOD_ALIAS"
 WORKER_ID = "HVD_SPARK_WORKER_ID"

@@ -14,6 +14,8 @@ BENCHMARKS = {
     "distributor": ("hvd_spark.bench.distributor_bench",
                     "TorchDistributor: hvd_spark's vs pyspark's, start-up and DDP steps"),
     "reader": ("hvd_spark.bench.reader_bench", "Parquet reader rows/s vs a plain scan"),
+    "dataframe": ("hvd_spark.bench.dataframe_bench",
+                  "training from a DataFrame: through a Store vs straight from Spark"),
     "transform": ("hvd_spark.bench.transform_bench", "Model.transform rows/s: Arrow vs pandas"),
     "scaling": ("hvd_spark.bench.scaling", "predicted efficiency on 8-512 hosts (needs root)"),
     "elastic": ("hvd_spark.bench.elastic_bench", "elastic recovery time and commit cost"),

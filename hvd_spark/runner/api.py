@@ -14,8 +14,9 @@ from typing import IO, Any
 import cloudpickle
 
 from hvd_spark import _env
+from hvd_spark.data.shares import prepare_shares
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import mlflow_env, worker
+from hvd_spark.runner import mlflow_env, mlflow_inputs, worker
 from hvd_spark.runner.console import verbose_logging
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import RunConfig
@@ -99,6 +100,7 @@ def run(
     use_gloo: bool | None = None,
     progress: Callable[[int, dict[str, Any]], None] | None = None,
     on_output: Callable[[int, str, str], None] | None = None,
+    df: Any = None,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks; results in rank order.
 
@@ -137,6 +139,12 @@ def run(
             thread of the driver service; the Estimators draw them as a progress bar.
         on_output: Also receives every output line of the ranks as ``(rank, "stdout" or
             "stderr", line)``; the Estimators keep them as per-rank files in the Store.
+        df: A DataFrame to train on, straight from Spark: the barrier tasks read its rows
+            (repartitioned round-robin, one partition per rank) and each writes its share
+            to its executor's local disk, where ``fn`` reads it
+            (``hvd_spark.torch.dataframe_loader``, ``hvd_spark.tensorflow.dataframe_dataset``,
+            or ``hvd_spark.data.RankShare.current()``). No Store, no shared filesystem;
+            the shares are removed when the run ends, also when it fails.
 
     Returns:
         ``fn``'s return values, index = rank.
@@ -154,7 +162,7 @@ def run(
         fn, args=args, kwargs=kwargs, num_proc=num_proc, start_timeout=start_timeout, env=env,
         stdout=stdout, stderr=stderr, verbose=verbose, use_gpu=use_gpu,
         prefix_output_with_timestamp=prefix_output_with_timestamp, progress=progress,
-        on_output=on_output,
+        on_output=on_output, df=df,
     ).results
 
 
@@ -173,6 +181,7 @@ def run_with_report(
     progress: Callable[[int, dict[str, Any]], None] | None = None,
     on_output: Callable[[int, str, str], None] | None = None,
     ranks_per_task: int = 1,
+    df: Any = None,
 ) -> RunReport:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, with timings.
 
@@ -185,10 +194,10 @@ def run_with_report(
         verbose=verbose, use_gpu=use_gpu, prefix_output_with_timestamp=prefix_output_with_timestamp,
         progress=progress, on_output=on_output, ranks_per_task=ranks_per_task)
     with verbose_logging(verbose):
-        return _run_with_report(payload, config)
+        return _run_with_report(payload, config, df)
 
 
-def _run_with_report(payload: bytes, config: RunConfig) -> RunReport:
+def _run_with_report(payload: bytes, config: RunConfig, df: Any = None) -> RunReport:
     # The driver's MLflow run reaches the ranks; the caller's env wins over it.
     user_env = {**mlflow_env.driver_env(), **config.env}
     timeout = config.timeouts.start_timeout
@@ -201,6 +210,13 @@ def _run_with_report(payload: bytes, config: RunConfig) -> RunReport:
     config = config.with_num_proc(num_proc)  # checked again: the default comes from Spark
     gpu = spark_launcher.resolve_use_gpu(sc, config.use_gpu)
     spark_launcher.check_cluster(sc, num_proc // per_task)
+    data = None
+    if df is not None:
+        if per_task != 1:
+            raise ConfigError("df= needs one rank per Spark task (ranks_per_task=1): each "
+                              "task hands its partition of the DataFrame to its rank")
+        data = prepare_shares(df, num_proc)  # the columns are checked before anything runs
+        mlflow_inputs.log_dataframe_input(df)  # with an active MLflow run: its lineage
     bind_host, advertise_host = spark_launcher.driver_hosts(sc)
     level = logging.INFO if config.verbose >= 1 else logging.DEBUG
     output = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr,
@@ -211,8 +227,8 @@ def _run_with_report(payload: bytes, config: RunConfig) -> RunReport:
     with DriverService(num_proc, secret, bind_host, advertise_host, output,
                        progress=config.progress) as service:
         spec = TaskSpec(service.addr, secret, timeout, user_env, gpu, uuid.uuid4().hex[:12],
-                        ranks_per_task=per_task)
-        launch = spark_launcher.SparkLaunch(spark, service, spec, config.timeouts)
+                        ranks_per_task=per_task, with_share=data is not None)
+        launch = spark_launcher.SparkLaunch(spark, service, spec, config.timeouts, data)
         launch.publish(payload)
         log.log(level, "hvd_spark.run: starting %d ranks (job group %s, service %s)",
                 num_proc, launch.job_group, service.addr)

@@ -165,6 +165,39 @@ class TorchDistributor:
                              f"file, got {type(train_object).__name__}")
         return self._launch(train_object, args, kwargs)[0]
 
+    def train_on_dataframe(self, train_function: Callable, df: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+        """Run ``train_function(*args, **kwargs)`` on barrier tasks that hand each process
+        its share of ``df``, straight from Spark (no Store; ``hvd_spark.run``'s ``df=``).
+
+        Inside, ``hvd_spark.torch.dataframe.dataframe_loader(batch_size)`` gives a
+        ``DataLoader`` over the process's rows (pyspark has this as a private method).
+
+        Returns:
+            Rank 0's return value.
+
+        Raises:
+            ValueError: ``local_mode=True`` (the shares come from Spark tasks), or a column
+                no model can take (naming it).
+            WorkerFailedError: A process failed; the others were stopped.
+        """
+        if self.local_mode:
+            raise ValueError("TorchDistributor.train_on_dataframe needs local_mode=False: "
+                             "each Spark task hands its rows to its process")
+        if self.ranks_per_task != 1:
+            raise ValueError(
+                f"TorchDistributor.train_on_dataframe runs one process per task, but "
+                f"{_TASK_GPUS}={self.ranks_per_task}: set it to 1 to train on a DataFrame")
+        if not callable(train_function):
+            raise ValueError(f"train_function must be callable, got "
+                             f"{type(train_function).__name__}")
+        from hvd_spark.runner.api import run_with_report
+
+        env = None if self.use_gpu else {"CUDA_VISIBLE_DEVICES": ""}
+        return run_with_report(train_function, args=args, kwargs=kwargs,
+                               num_proc=self.num_processes, env=env, use_gpu=self.use_gpu,
+                               df=df).results[0]
+
     def _launch(self, fn: Callable, args: tuple, kwargs: dict) -> list:
         if self.local_mode:
             from hvd_spark.runner.local.local_launcher import run_local

@@ -8,6 +8,7 @@ one queue the launcher consumes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -16,7 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hvd_spark.collectives.tcp.store import StoreServer
-from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
+from hvd_spark.data.shares import empty_share_message
+from hvd_spark.errors import DataError, HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import worker
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.gpu_mapping import place_gpus
@@ -66,6 +68,8 @@ class DriverService:
         self._slots: dict[int, TaskSlot] = {}
         self._gpus: dict[int, tuple[str, ...]] = {}
         self._endpoints: dict[int, tuple[str, int] | None] = {}
+        self._share_rows: dict[int, int] = {}
+        self._share_error: str | None = None
         self._assignment: dict[int, RankInfo] | None = None
         self._stopped = False
         self.server = StoreServer(secret, bind_host, {
@@ -104,11 +108,13 @@ class DriverService:
 
     def _on_register(self, partition: int, host: str, timeout: float,
                      gpus: tuple[str, ...] = (),
-                     endpoint: tuple[str, int] | None = None) -> RankInfo:
+                     endpoint: tuple[str, int] | None = None,
+                     share_rows: int | None = None) -> RankInfo:
         # Blocks the task until every task has registered, then returns its rank and, with
         # ``gpus`` (its Spark GPU addresses), its host's GPU order (gpu_mapping). Each task
         # brings ``endpoint``, its address and a port free on its host: rank 0's becomes
-        # every rank's torch.distributed master (torch_world).
+        # every rank's torch.distributed master (torch_world). With run(fn, df=...), each
+        # brings how many rows its share has: an empty share fails every task at once.
         with self._cond:
             if self._stopped:
                 raise HvdSparkError("this run was already stopped; the task is not needed")
@@ -119,11 +125,19 @@ class DriverService:
             self._slots[partition] = TaskSlot(partition, host)
             self._gpus[partition] = tuple(gpus)
             self._endpoints[partition] = endpoint
+            if share_rows is not None:
+                self._share_rows[partition] = share_rows
             now = time.time()
             self.first_registered_at = self.first_registered_at or now
             if len(self._slots) == self.num_proc:
                 self._assignment = with_master(place_gpus(
                     assign_ranks(list(self._slots.values())), self._gpus), self._endpoints)
+                if self._share_rows:
+                    least = min(self._share_rows.values())
+                    if least == 0:
+                        self._share_error = empty_share_message(self._share_rows, self.num_proc)
+                    self._assignment = {p: dataclasses.replace(i, share_min_rows=least)
+                                        for p, i in self._assignment.items()}
                 self.all_registered_at = now
                 log.info("hvd_spark.run: ranks assigned: %s", ", ".join(
                     f"{i.rank} on {i.host} (local {i.local_rank}"
@@ -140,6 +154,8 @@ class DriverService:
                 self._cond.wait(left)
             if self._assignment is None:
                 raise HvdSparkError("this run was stopped before every task registered")
+            if self._share_error is not None:
+                raise DataError(self._share_error)
             return self._assignment[partition]
 
     def _on_log(self, rank: int, lines: list[tuple[str, str]]) -> None:

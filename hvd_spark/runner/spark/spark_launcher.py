@@ -172,12 +172,16 @@ class SparkLaunch(Launcher):
         spec: What the tasks receive.
         timeouts: The start timeout (every task must start and register within it) and
             the heartbeat limit.
+        data: With ``run(fn, df=...)``, the DataFrame in ``num_proc`` partitions
+            (``data.shares.prepare_shares``): the barrier stage runs over it.
     """
 
     def __init__(self, spark: Any, service: DriverService, spec: spark_task.TaskSpec,
-                 timeouts: Timeouts) -> None:
+                 timeouts: Timeouts, data: Any = None) -> None:
         self.spark = spark
         self.service = service
+        # run(fn, df=...): the DataFrame in one partition per task (data.shares).
+        self.data = data
         # The ranks beat to the driver service: a frozen rank or a host cut off fails the
         # run within the heartbeat limit, not the collective timeout.
         limit = timeouts.heartbeat_s
@@ -218,7 +222,7 @@ class SparkLaunch(Launcher):
 
     def _job(self) -> Any:
         n = self.num_proc // self.spec.ranks_per_task  # one task per ranks_per_task ranks
-        frame = self.spark.range(n, numPartitions=n)
+        frame = self.spark.range(n, numPartitions=n) if self.data is None else self.data
         try:
             return frame.mapInArrow(functools.partial(spark_task.arrow_task, self.spec),
                                     spark_task.OUTPUT_SCHEMA, barrier=True)

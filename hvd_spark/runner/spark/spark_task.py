@@ -23,6 +23,7 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import advertise_addr
+from hvd_spark.data.rank_share import share_directory, write_share
 from hvd_spark.errors import ConfigError, HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import torch_world
 from hvd_spark.runner.failures import WorkerFailure
@@ -57,6 +58,8 @@ class TaskSpec:
         run_id: Identifies the run in logs.
         ranks_per_task: Ranks each task runs (one per GPU of the task, each registering
             as its own slot ``partition * ranks_per_task + i``).
+        with_share: The barrier stage runs over the job's DataFrame (``run(fn, df=...)``):
+            each task writes its partition's rows to local disk for its rank.
     """
 
     driver_addr: str
@@ -66,6 +69,7 @@ class TaskSpec:
     use_gpu: bool
     run_id: str
     ranks_per_task: int = 1
+    with_share: bool = False
 
 
 def early_env(base: dict[str, str], spec: TaskSpec) -> dict[str, str]:
@@ -148,25 +152,37 @@ def task_host() -> str:
     return _env.get_str(_env.HOSTNAME) or socket.gethostname()
 
 
-def run_task(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
+def run_task(spec: TaskSpec, partition: int, task_gpus: list[str],
+             rows: Iterator[Any] | None = None) -> int:
     """Run one rank of the job for ``partition``; return its process's exit code.
 
     ``task_gpus``: the GPU addresses Spark gave this task, sent to the driver at
     registration (which answers with the host's GPU order) and passed to the rank.
+    ``rows``: the task's Arrow batches of the job's DataFrame (``run(fn, df=...)``), written
+    to this executor's local disk for the rank and removed when the rank has ended.
     """
     host = task_host()
-    # The rank's interpreter starts and imports while the task registers (the rank's
-    # variables follow on its stdin): that start is the longest step of a run's start.
+    # The rank's interpreter starts and imports while the task writes its share and
+    # registers (the rank's variables follow on its stdin): the longest steps of a start.
     started_with = early_env(dict(os.environ), spec)
     proc = start_worker(started_with, rank_env_later=True)
+    share: tuple[str, int] | None = None
     try:
+        if rows is not None:
+            path = os.path.join(share_directory(), f"hvd_spark-{spec.run_id}-{partition}.arrow")
+            share = (path, 0)
+            share = (path, write_share(rows, path))
         client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
         try:
-            return _serve_rank(client, proc, started_with, spec, partition, host, task_gpus)
+            return _serve_rank(client, proc, started_with, spec, partition, host, task_gpus,
+                               share)
         finally:
             client.close()
     finally:
         reap_worker(proc, spec.secret)
+        if share is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(share[0])
 
 
 def run_task_ranks(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
@@ -200,16 +216,22 @@ def run_task_ranks(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
 
 
 def _serve_rank(client: StoreClient, proc: subprocess.Popen, started_with: dict[str, str],
-                spec: TaskSpec, partition: int, host: str, task_gpus: list[str]) -> int:
+                spec: TaskSpec, partition: int, host: str, task_gpus: list[str],
+                share: tuple[str, int] | None) -> int:
     """Register, hand the worker its rank, relay its output until it ends; its exit code."""
     try:
         # This host's address as the other ranks reach it, and a port free here: the
         # torch.distributed master's, should this task become rank 0.
         endpoint = (advertise_addr() or client.local_address, torch_world.free_port())
         info: RankInfo = client.call(REGISTER, partition, host, spec.start_timeout,
-                                     tuple(task_gpus), endpoint, timeout=spec.start_timeout)
-        send_rank_env(proc, started_with, child_env(dict(os.environ), spec, info,
-                                                    rank_gpus(spec, info), task_gpus))
+                                     tuple(task_gpus), endpoint,
+                                     None if share is None else share[1],
+                                     timeout=spec.start_timeout)
+        env = child_env(dict(os.environ), spec, info, rank_gpus(spec, info), task_gpus)
+        if share is not None:
+            env.update({_env.SHARE_PATH: share[0],
+                        _env.SHARE_MIN_ROWS: str(info.share_min_rows)})
+        send_rank_env(proc, started_with, env)
     except Exception as exc:  # noqa: BLE001 - reported to the driver, then re-raised
         with contextlib.suppress(Exception):
             client.call(TASK_ERROR, partition, WorkerFailure.from_exception(
@@ -234,11 +256,14 @@ def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
     import pyarrow as pa
     from pyspark import BarrierTaskContext
 
-    for _ in batches:
-        pass
     context = BarrierTaskContext.get()
     partition = context.partitionId()
-    returncode = run_task_ranks(spec, partition, task_gpu_addresses(context))
+    if spec.with_share:
+        returncode = run_task(spec, partition, task_gpu_addresses(context), rows=batches)
+    else:
+        for _ in batches:
+            pass
+        returncode = run_task_ranks(spec, partition, task_gpu_addresses(context))
     yield pa.RecordBatch.from_pydict(
         {"partition": [partition], "returncode": [returncode]},
         schema=pa.schema([("partition", pa.int64()), ("returncode", pa.int64())]),

@@ -1,0 +1,168 @@
+"""This rank's share of a DataFrame handed to ``run(fn, df=...)``: no Store, no shared filesystem.
+
+The rank's Spark task wrote the rows Spark gave it to an Arrow IPC file on the executor's
+local disk (``share_writer``) before the rank started; the rank memory-maps that file and
+reads shuffled batches from it, epoch after epoch. Memory: the file's pages are mapped, not
+loaded (the kernel pages them in and drops them as it needs); what a rank holds is one
+epoch's row order (8 bytes a row) and the batch being built, so a share larger than memory
+trains. Columns follow ``make_converter``'s rules: integers as int64, floats as
+``float_dtype`` (float32 by default), arrays and ML Vectors (arrays by then) as 2-D arrays.
+
+Equal steps on every rank: each epoch has ``min_rows // batch_size`` batches, where
+``min_rows`` is the smallest share of any rank (the driver tells each rank), so ranks that
+run a collective per batch never wait for one that ran out; each epoch drops different rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from hvd_spark import _env
+from hvd_spark.data.converter_loaders import target_dtype
+from hvd_spark.errors import ConfigError
+
+
+class RankShare:
+    """The rows of the job's DataFrame that this rank trains on.
+
+    Args:
+        path: The share's Arrow IPC file.
+        min_rows: The smallest share of any rank (equal steps per rank).
+        rank: This rank (part of each epoch's shuffle seed).
+
+    Raises:
+        ConfigError: The file does not exist (not inside ``run(fn, df=...)``).
+    """
+
+    def __init__(self, path: str, min_rows: int, rank: int = 0) -> None:
+        import pyarrow as pa
+
+        try:
+            source = pa.memory_map(path)
+        except FileNotFoundError:
+            raise ConfigError(f"this rank's share of the DataFrame ({path}) is gone: the "
+                              "task that wrote it ended; read it inside fn only") from None
+        self.table = pa.ipc.open_file(source).read_all()  # mapped, not copied
+        self.min_rows = int(min_rows)
+        self.rank = rank
+
+    @classmethod
+    def current(cls) -> RankShare:
+        """This rank's share, as its launcher described it.
+
+        Raises:
+            ConfigError: The rank was not started with a DataFrame (``run(fn, df=...)``).
+        """
+        path = _env.get_str(_env.SHARE_PATH)
+        if not path:
+            raise ConfigError(
+                "this rank has no DataFrame share: pass the DataFrame to the launcher, "
+                "hvd_spark.run(fn, df=df) (or TorchDistributor.train_on_dataframe(fn, df)), "
+                "and read it inside fn")
+        return cls(path, _env.get_int(_env.SHARE_MIN_ROWS, 0) or 0,
+                   _env.get_int(_env.RANK, 0) or 0)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in this rank's share."""
+        return self.table.num_rows
+
+    @property
+    def columns(self) -> list[str]:
+        """The DataFrame's columns."""
+        return list(self.table.column_names)
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        """Batches per epoch of ``batch_size`` rows, the same on every rank.
+
+        Raises:
+            ConfigError: ``batch_size`` not a positive int, or larger than the smallest
+                share (no rank could take a full batch).
+        """
+        _check_batch_size(batch_size)
+        if batch_size > self.min_rows:
+            raise ConfigError(
+                f"batch_size={batch_size} is larger than the smallest rank's share "
+                f"({self.min_rows} rows): no rank could take a full batch; lower it, or "
+                "train on fewer ranks")
+        return self.min_rows // batch_size
+
+    def epoch(self, epoch: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+              float_dtype: Any = np.float32) -> Iterator[dict[str, np.ndarray]]:
+        """The batches of one epoch as dicts ``column -> numpy array``.
+
+        Args:
+            epoch: Which epoch (a different order each epoch when shuffling).
+            batch_size: Rows per batch.
+            shuffle: Shuffle the rows (seeded by ``seed``, ``epoch`` and the rank).
+            seed: The shuffle's seed.
+            float_dtype: dtype of floating-point columns; None keeps them as written.
+
+        Raises:
+            ConfigError: ``batch_size`` not a positive int, or larger than the smallest share.
+        """
+        used = self.steps_per_epoch(batch_size) * batch_size
+        if shuffle:
+            rng = np.random.default_rng([seed, epoch, self.rank])
+            order = rng.permutation(self.num_rows)[:used]
+        else:
+            order = np.arange(used)
+        dtype = None if float_dtype is None else np.dtype(float_dtype)
+        for start in range(0, used, batch_size):
+            rows = self.table.take(order[start:start + batch_size])
+            yield {name: _to_numpy(rows.column(name), dtype) for name in self.columns}
+
+
+def _check_batch_size(batch_size: Any) -> None:
+    if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
+            or batch_size < 1:
+        raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+
+def _to_numpy(column: Any, float_dtype: np.dtype | None) -> np.ndarray:
+    """One column of a batch as numpy: scalars 1-D, arrays (equal lengths) 2-D."""
+    import pyarrow as pa
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type) \
+            or pa.types.is_fixed_size_list(array.type):
+        values = array.flatten().to_numpy(zero_copy_only=False)
+        out = values.reshape(len(array), -1) if len(array) else values.reshape(0, 0)
+    else:
+        out = array.to_numpy(zero_copy_only=False)
+    return out.astype(target_dtype(out.dtype, float_dtype), copy=False)
+
+
+def write_share(batches: Iterator[Any], path: str) -> int:
+    """Stream a Spark task's Arrow record batches into the share file ``path``.
+
+    Runs in the rank's Spark task, before the rank starts: one record batch in memory at a
+    time (Spark's ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows). Returns the rows.
+    """
+    import pyarrow as pa
+
+    rows = 0
+    writer = None
+    try:
+        for batch in batches:
+            if writer is None:
+                writer = pa.ipc.new_file(path, batch.schema)
+            writer.write_batch(batch)
+            rows += batch.num_rows
+    finally:
+        if writer is not None:
+            writer.close()
+    return rows
+
+
+def share_directory() -> str:
+    """The executor's local scratch directory (Spark's ``SPARK_LOCAL_DIRS``, the first one),
+    else the system's temporary directory: local disk, never a shared filesystem."""
+    import os
+    import tempfile
+
+    dirs = [d for d in os.environ.get("SPARK_LOCAL_DIRS", "").split(",") if d]
+    return dirs[0] if dirs else tempfile.gettempdir()
