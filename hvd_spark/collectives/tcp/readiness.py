@@ -72,11 +72,13 @@ def poll_readable(socks: list[socket.socket], spin_s: float) -> list[socket.sock
     if spin_s <= 0:
         return []  # then just block
     until = time.monotonic() + spin_s
-    if any(s.fileno() >= _SELECT_FD_LIMIT for s in socks):
-        look = lambda: wait_readable(socks, 0.0)  # noqa: E731
-    else:
-        look = lambda: select.select(socks, [], [], 0.0)[0]  # noqa: E731
+    for sock in socks:  # (loops, not closures: a small call runs this every time)
+        if sock.fileno() >= _SELECT_FD_LIMIT:
+            while True:
+                readable = _poll(socks, (), 0.0)
+                if readable or time.monotonic() >= until:
+                    return readable
     while True:
-        readable = look()
+        readable = select.select(socks, [], [], 0.0)[0]
         if readable or time.monotonic() >= until:
             return readable
