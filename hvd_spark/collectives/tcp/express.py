@@ -219,12 +219,12 @@ class ExpressMixin:
                 self._send(peer, [frame])
             if held is not None:
                 return self._express_held(name, own, plan, array, out, held)
-            fields, frame = self._express_read(name)
+            fields, message = self._express_read(name)
             if (fields is None or fields[:_AGREED] != own[:_AGREED]
                     or (fields[-2] is None and fields[-1] is None)):
-                # Not this call's twin (another frame, a late or different request):
+                # Not this call's twin (another message, a late or different request):
                 # the usual path decides, as it would have.
-                return None, self._express_fallback(name, own, array, out, None, frame)
+                return None, self._express_fallback(name, own, array, out, None, message)
             peer_lane = fields[-1]
             mine = flat
             theirs = (np.frombuffer(fields[-2], array.dtype) if peer_lane is None
@@ -300,8 +300,9 @@ class ExpressMixin:
         return None, (kind, payload)
 
     def _own_request(self, own: tuple, array: np.ndarray) -> m.Request:
-        """This rank's request as a Request, its payload the caller's tensor."""
-        return m.Request(*own[:_AGREED], array.reshape(-1), own[-1])
+        """This rank's request as a Request, its payload the caller's tensor (the lane
+        number only named it on the wire)."""
+        return m.Request(*own[:_AGREED], array.reshape(-1))
 
     def _express_fallback(self, name: str, own: tuple, array: np.ndarray, out: np.ndarray,
                           peer_request: m.Request | None, message: tuple | None) -> Entry:
