@@ -348,6 +348,15 @@ class Coordinator:
         """True when responses are waiting to be sent."""
         return bool(self._ready)
 
+    def quiet(self, name: str, partial_ok: bool) -> bool:
+        """True when no response waits to be sent, no rank asked for ``name``, and no
+        operation is partly submitted unless ``partial_ok`` (the express path's check:
+        one call where ``waiting_for``, ``has_ready`` and ``has_partial`` are three)."""
+        table = self._table
+        if self._ready or name in table:
+            return False
+        return not table or partial_ok or not self.has_partial()
+
     def has_partial(self) -> bool:
         """True when some operation is submitted by some ranks but not yet all.
 

@@ -56,7 +56,7 @@ IN_BAND_MAX_BYTES = 64 * 1024
 OUT_OF_BAND_MIN_BYTES = 4 * 1024
 
 
-def _wire_bytes(array: np.ndarray | bytes | None, protocol: int):
+def wire_bytes(array: np.ndarray | bytes | None, protocol: int = 5):
     """How a request's or response's tensor is pickled: raw bytes, or (large) a buffer
     the frame carries beside the pickle."""
     if not isinstance(array, np.ndarray):
@@ -128,7 +128,7 @@ class Request:
         a tenth of a small synchronous allreduce."""
         return (self.name, self.kind, self.dtype, self.shape, self.op, self.prescale,
                 self.postscale, self.root, self.splits, self.members, self.error,
-                self.device, self.layout, _wire_bytes(self.payload, protocol), self.lane)
+                self.device, self.layout, wire_bytes(self.payload, protocol), self.lane)
 
     @staticmethod
     def from_fields(fields: tuple) -> Request:
@@ -201,7 +201,7 @@ class Response:
         ``Request.fields``); ``from_fields`` rebuilds it."""
         return (self.kind, self.names, self.error, self.first_dims, self.splits,
                 self.members, self.joined, self.templates, self.result,
-                _wire_bytes(self.data, protocol), self.chunk_bytes)
+                wire_bytes(self.data, protocol), self.chunk_bytes)
 
     @staticmethod
     def from_fields(fields: tuple) -> Response:

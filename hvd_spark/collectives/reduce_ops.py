@@ -125,7 +125,8 @@ def _express(array: np.ndarray, name: str | None, op: ReduceOp, prescale: float,
     if (engine is None or process_set is not global_process_set or prescale != 1.0
             or type(array) is not np.ndarray):
         return None, name
-    name = auto_name(m.ALLREDUCE, name)
+    if name is None:
+        name = auto_name(m.ALLREDUCE, name)
     return engine.express_allreduce(name, array, op, postscale, inplace), name
 
 

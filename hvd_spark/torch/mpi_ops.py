@@ -35,6 +35,8 @@ __all__ = [
 
 def resolve_op(average: bool | None, op: ReduceOp | None) -> ReduceOp:
     """Horovod's deprecated ``average=`` flag or ``op=`` -> one ReduceOp (Average default)."""
+    if type(op) is ReduceOp and average is None:
+        return op  # the usual case, without the enum's lookup (two Python calls)
     if average is not None and op is not None:
         raise ConfigError("pass either average= (deprecated) or op=, not both")
     if average is not None:
@@ -76,6 +78,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         prescale_factor: Multiply by this before the reduction.
         postscale_factor: Multiply by this after the reduction.
     """
+    if compression is Compression.none and not _wants_grad(tensor):
+        # Nothing to compress or differentiate: T.allreduce checks the tensor (once).
+        return T.allreduce(tensor, name, resolve_op(average, op), prescale_factor,
+                           postscale_factor, process_set)
     T.checked_tensor(tensor, "allreduce", "allreduce", name, process_set)
     op = resolve_op(average, op)
     wire, ctx = compression.compress(tensor)

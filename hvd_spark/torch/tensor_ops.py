@@ -123,6 +123,8 @@ def checked_tensor(tensor: Any, what: str, kind: str, name: str | None,
     Their copy of the operation then fails too instead of waiting, and this rank's
     automatic name is used up as theirs is, so later unnamed calls still match.
     """
+    if sendable(tensor):  # (check_tensor's test, one call fewer on every call)
+        return tensor
     try:
         return check_tensor(tensor, what, name)
     except ConfigError as exc:
@@ -199,9 +201,12 @@ def allreduce_(
         return allreduce_async_(tensor, name, op, prescale_factor, postscale_factor,
                                 process_set).wait()
     checked_tensor(tensor, "allreduce_", "allreduce", name, process_set)
-    cpu, finish = _in_place_target(tensor)
+    cpu = _cpu(tensor)
     C.allreduce_(as_numpy(cpu), name, op, prescale_factor, postscale_factor, process_set)
-    return finish(None)
+    if cpu is not tensor:  # (as _in_place_target's copy back)
+        with torch.no_grad():
+            tensor.copy_(cpu)
+    return tensor
 
 
 def allreduce_many_async_(

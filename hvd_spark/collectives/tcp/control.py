@@ -30,6 +30,23 @@ _REQUEST_KINDS = ("req", "pair")
 _ABORT_SEND_S = 1.0
 
 
+def disconnected(peer: int, rank: int) -> PeerDisconnectedError:
+    """The error for ``peer``'s control socket closing under ``rank``."""
+    return PeerDisconnectedError(
+        f"rank {peer} disconnected (it exited or was killed) while rank {rank} "
+        f"was still running; see rank {peer}'s log for its error")
+
+
+def messages_of(kind: str, payload: object) -> tuple[str, object]:
+    """A control message as read off the wire, with its requests or responses rebuilt:
+    they travel as tuples (see ``Request.fields``)."""
+    if kind in _REQUEST_KINDS:
+        payload = [m.Request.from_fields(fields) for fields in payload]
+    elif kind == "resp":
+        payload = [m.Response.from_fields(fields) for fields in payload]
+    return kind, payload
+
+
 class ControlMixin:
     """The control-socket half of ``TcpEngine`` (a mixin: it uses the engine's lock,
     failure and rank, set by ``EngineCore``).
@@ -160,16 +177,8 @@ class ControlMixin:
         try:
             kind, payload = wire.recv_obj(sock, f"rank {peer}", pooled=True)
         except PeerDisconnectedError:
-            raise PeerDisconnectedError(
-                f"rank {peer} disconnected (it exited or was killed) while rank {self.rank} "
-                f"was still running; see rank {peer}'s log for its error"
-            ) from None
-        # Requests and responses travel as tuples (see ``Request.fields``).
-        if kind in _REQUEST_KINDS:
-            payload = [m.Request.from_fields(fields) for fields in payload]
-        elif kind == "resp":
-            payload = [m.Response.from_fields(fields) for fields in payload]
-        return kind, payload
+            raise disconnected(peer, self.rank) from None
+        return messages_of(kind, payload)
 
     def _tell_others(self, failure: BaseException | None) -> None:
         """Rank 0: pass the reason it stopped to every rank before closing, so they fail

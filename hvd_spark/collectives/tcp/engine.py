@@ -7,8 +7,8 @@ every rank runs it on the backend. So ranks may issue operations in any order,
 and a disagreement becomes an error on every rank instead of a hang.
 
 With two ranks, small allreduces skip rank 0's decision: each rank sends the other its
-request and both decide alone (``tcp.pairs``). Sending and receiving on the control
-sockets is ``tcp.control``'s.
+request and both decide alone (``tcp.pairs``), a synchronous one on the caller's thread
+(``tcp.express``). Sending and receiving on the control sockets is ``tcp.control``'s.
 
 The cycle runs on the background thread, or on a caller's thread while it waits
 (``EngineCore.wait``); the background thread parks meanwhile, so the two never
@@ -29,6 +29,7 @@ from hvd_spark.collectives.operations import Entry
 from hvd_spark.collectives.pairing import pairable
 from hvd_spark.collectives.tcp import readiness, wire
 from hvd_spark.collectives.tcp.control import ControlMixin
+from hvd_spark.collectives.tcp.express import ExpressMixin
 from hvd_spark.collectives.tcp.pairs import PairingMixin
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError, HvdSparkError, PeerDisconnectedError
@@ -44,7 +45,7 @@ _GRACE_S = 200e-6
 _FRAMES_PER_CYCLE = 256
 
 
-class TcpEngine(PairingMixin, ControlMixin, EngineCore):
+class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
     """Runs one rank's collectives: a background thread, or the waiting caller.
 
     Args:
@@ -69,6 +70,7 @@ class TcpEngine(PairingMixin, ControlMixin, EngineCore):
                              if rank == 0 else None)
         self._start_autotune(self._coordinator)
         self._init_pairs(size)
+        self._init_express()
         # A caller waiting for its operation polls this long before sleeping in select
         # (init() resolves the setting against the ranks on this host).
         self._spin_s = config.spin_seconds(size)

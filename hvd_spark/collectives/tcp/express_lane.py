@@ -1,7 +1,7 @@
 """The express lane: with two ranks on one host, a synchronous allreduce's tensor crosses
 through shared memory instead of the control socket.
 
-The express path (``PairingMixin.express_allreduce``) sends each rank's request to the
+The express path (``ExpressMixin.express_allreduce``) sends each rank's request to the
 other with its tensor along and both reduce the two (see ``pairing``). Inline, the tensor
 is pickled into the control socket: copied into the kernel and out again, plus a wake-up
 per socket buffer, which is most of a 64 KB-4 MB call's time. On the lane the sender

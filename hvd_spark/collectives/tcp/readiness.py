@@ -7,11 +7,14 @@ select(2) is the cheapest way to wait, but takes no descriptor from 1024 on
 from __future__ import annotations
 
 import math
+import os
 import select
 import socket
 import time
 from collections.abc import Sequence
 
+# Gives up the CPU between looks (a C function: no Python frame per look).
+_yield = getattr(os, "sched_yield", lambda: None)
 # select() takes file descriptors below this only (FD_SETSIZE).
 _SELECT_FD_LIMIT = 1024
 
@@ -67,16 +70,23 @@ def poll_readable(socks: list[socket.socket], spin_s: float) -> list[socket.sock
 
     A receiver blocked in the kernel makes its sender pay for the wake-up (50-70 us per
     9-byte notice on a VM) and wakes up late itself; a polling one costs a microsecond
-    or two per look, and its sender nothing extra.
+    or two per look, and its sender nothing extra. Between looks it yields the CPU
+    (``sched_yield``: at once when nothing else waits for this CPU): where other
+    processes load the machine, a rank spinning out its whole slice kept the rank it
+    waits for off the CPU, and a 1 KB allreduce took 1-1.7 ms instead of 20-400 us.
     """
     if spin_s <= 0:
         return []  # then just block
     until = time.monotonic() + spin_s
-    if any(s.fileno() >= _SELECT_FD_LIMIT for s in socks):
-        look = lambda: wait_readable(socks, 0.0)  # noqa: E731
-    else:
-        look = lambda: select.select(socks, [], [], 0.0)[0]  # noqa: E731
+    for sock in socks:  # (loops, not closures: a small call runs this every time)
+        if sock.fileno() >= _SELECT_FD_LIMIT:
+            while True:
+                readable = _poll(socks, (), 0.0)
+                if readable or time.monotonic() >= until:
+                    return readable
+                _yield()
     while True:
-        readable = look()
+        readable = select.select(socks, [], [], 0.0)[0]
         if readable or time.monotonic() >= until:
             return readable
+        _yield()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import operator
 import os
 import pickle
 import socket
@@ -70,7 +71,17 @@ def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer",
         return buf
     try:
         # A small message usually comes in one read: no buffer to fill and copy out.
-        first = _read_now(sock, nbytes)
+        # A socket with a timeout polls before each recv (CPython's deadline), a system
+        # call that costs 1-2 us on a VM where the data is usually there already. Python
+        # documents that a socket in timeout mode has a non-blocking descriptor, so
+        # reading the descriptor itself just looks (a blocking one would wait without a
+        # deadline: recv waits then).
+        first = None
+        if sock.gettimeout() is not None:
+            try:
+                first = os.read(sock.fileno(), nbytes)
+            except (BlockingIOError, InterruptedError):
+                pass
         if first is None:
             first = sock.recv(nbytes)
     except TimeoutError:
@@ -85,22 +96,6 @@ def recv_exact(sock: socket.socket, nbytes: int, what: str = "peer",
     buf[: len(first)] = first
     recv_into_exact(sock, memoryview(buf)[len(first):], what)
     return bytes(buf)
-
-
-def _read_now(sock: socket.socket, nbytes: int) -> bytes | None:
-    """Up to ``nbytes`` that have arrived, or None when none has (b"" at the end).
-
-    A socket with a timeout polls before each recv (CPython's deadline), a system call
-    that costs 1-2 us on a VM where the data is usually there already. Python documents
-    that a socket in timeout mode has a non-blocking descriptor, so reading the
-    descriptor itself just looks.
-    """
-    if sock.gettimeout() is None:
-        return None  # a blocking descriptor: read would wait without a deadline
-    try:
-        return os.read(sock.fileno(), nbytes)
-    except (BlockingIOError, InterruptedError):
-        return None
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, what: str = "peer") -> None:
@@ -246,6 +241,7 @@ def send_frame(sock: socket.socket, payload: bytes | bytearray | memoryview,
     send_frames(sock, [payload], what)
 
 
+_NBYTES = operator.attrgetter("nbytes")  # (a C callable: no Python frame per piece)
 # sendmsg takes at most IOV_MAX (1024 on Linux) pieces; two per frame.
 _PIECES_PER_SENDMSG = 1000
 
@@ -284,7 +280,18 @@ def send_pieces_now(sock: socket.socket, pieces: list[memoryview],
     if previous is not None:
         # Its descriptor is non-blocking (CPython's deadline) and writev just returns
         # what fit: no switching the timeout off and on (1-2 us a small frame).
-        return _write_now(sock, pieces, what)
+        fd = sock.fileno()
+        try:
+            while pieces:
+                sent = os.writev(fd, pieces[:_PIECES_PER_SENDMSG])
+                if sent == sum(map(_NBYTES, pieces)):
+                    return []  # the usual case: all went at once
+                pieces = _unsent(pieces, sent)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
+        return pieces
     sock.settimeout(0.0)  # else CPython waits for room up to the timeout
     try:
         while pieces:
@@ -294,20 +301,6 @@ def send_pieces_now(sock: socket.socket, pieces: list[memoryview],
                 break
     finally:
         sock.settimeout(previous)
-    return pieces
-
-
-def _write_now(sock: socket.socket, pieces: list[memoryview], what: str) -> list[memoryview]:
-    """``send_pieces_now`` on a non-blocking descriptor."""
-    fd = sock.fileno()
-    try:
-        while pieces:
-            sent = os.writev(fd, pieces[:_PIECES_PER_SENDMSG])
-            pieces = _unsent(pieces, sent)
-    except (BlockingIOError, InterruptedError):
-        pass
-    except OSError as exc:
-        raise PeerDisconnectedError(f"{what} dropped the connection ({exc})") from None
     return pieces
 
 
@@ -429,7 +422,11 @@ def recv_obj(sock: socket.socket, what: str = "peer", pooled: bool = False) -> A
     Raises:
         PeerDisconnectedError: The frame is not a whole pickle (see ``decode_obj``).
     """
-    return decode_obj(recv_frame(sock, what, pooled), what)
+    # (recv_frame's lines: a small synchronous call runs them every time)
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, what))
+    if length > MAX_FRAME_BYTES:
+        raise PeerDisconnectedError(f"{what} sent a frame of {length} bytes; protocol error")
+    return decode_obj(recv_exact(sock, length, what, pooled), what)
 
 
 def parse_addr(addr: str, what: str = "address") -> tuple[str, int]:
