@@ -48,11 +48,11 @@ def small_call_counts(nbytes: int = 1024) -> dict:
 
     import hvd_spark.collectives as hvd
     import hvd_spark.torch as hvd_torch
-    from hvd_spark.collectives import api
+    from hvd_spark.collectives import _plumbing
 
     hvd.init()
     try:
-        engine = api.current_engine()
+        engine = _plumbing.current_engine()
         x = np.ones(nbytes // 4, np.float32)
         t = torch.ones(nbytes // 4)
         before = engine.express_rounds
