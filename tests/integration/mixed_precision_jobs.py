@@ -110,19 +110,23 @@ def torch_amp_job(modes: list[str]) -> dict[str, Any]:
     return out
 
 
-def torch_amp_plain(init: eq.Weights, mode: str, skip: tuple[int, ...] = ()) -> eq.Weights:
-    """One process on the global batches, in the same precision (a GradScaler for fp16);
-    the steps numbered in ``skip`` are left out (a skipped overflow step)."""
+def torch_amp_plain(init: eq.Weights, mode: str, skip: tuple[int, ...] = (),
+                    batches: Any = None, lr: float = LR, init_scale: float = INIT_SCALE
+                    ) -> eq.Weights:
+    """One process in the same precision (a GradScaler for fp16) on ``batches`` (default:
+    the global batches of ``EPOCHS`` epochs); the steps numbered in ``skip`` are left out
+    (a skipped overflow step)."""
     import torch
 
     model = eq.torch_model()
     with torch.no_grad():
         for p, w in zip(model.parameters(), init):
             p.copy_(torch.from_numpy(w))
-    opt = eq.torch_optimizer("sgd", model.parameters(), LR)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE) if mode == "fp16" else None
+    opt = eq.torch_optimizer("sgd", model.parameters(), lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if mode == "fp16" else None
     model.train()
-    batches = eq.global_batches(*eq.dataset(), eq.N * eq.BATCH, eq.EPOCHS)
+    if batches is None:
+        batches = eq.global_batches(*eq.dataset(), eq.N * eq.BATCH, eq.EPOCHS)
     for step_no, (bx, by) in enumerate(batches, start=1):
         if step_no in skip:
             continue
@@ -190,10 +194,10 @@ def keras_mixed_job(policies: list[str]) -> dict[str, Any]:
     return out
 
 
-def keras_mixed_plain(init: eq.Weights, policy: str, skip: tuple[int, ...] = ()
-                      ) -> eq.Weights:
-    """One process on the global batches under ``policy`` (the same loss scaling); the
-    steps numbered in ``skip`` are left out."""
+def keras_mixed_plain(init: eq.Weights, policy: str, skip: tuple[int, ...] = (),
+                      batches: Any = None, initial_scale: float = INIT_SCALE) -> eq.Weights:
+    """One process under ``policy`` (the same loss scaling) on ``batches`` (default: one
+    epoch of the global batches); the steps numbered in ``skip`` are left out."""
     import keras
 
     keras.mixed_precision.set_global_policy(policy)
@@ -202,9 +206,10 @@ def keras_mixed_plain(init: eq.Weights, policy: str, skip: tuple[int, ...] = ()
         model.set_weights(init)
         opt = keras.optimizers.SGD(LR, momentum=eq.MOMENTUM)
         if policy == "mixed_float16":
-            opt = keras.mixed_precision.LossScaleOptimizer(opt, initial_scale=INIT_SCALE)
+            opt = keras.mixed_precision.LossScaleOptimizer(opt, initial_scale=initial_scale)
         model.compile(opt, eq.keras_loss())
-        batches = eq.global_batches(*eq.dataset(), eq.N * eq.BATCH, 1)
+        if batches is None:
+            batches = eq.global_batches(*eq.dataset(), eq.N * eq.BATCH, 1)
         for step_no, (bx, by) in enumerate(batches, start=1):
             if step_no not in skip:
                 model.train_on_batch(bx, by)
