@@ -110,8 +110,9 @@ def run(
         args: Its positional arguments.
         kwargs: Its keyword arguments.
         num_proc: Number of ranks; default ``sparkContext.defaultParallelism``.
-        start_timeout: Seconds for all tasks to start and the ranks to connect; default
-            ``HVD_SPARK_START_TIMEOUT``, else 600.
+        start_timeout: Seconds for all tasks to start and register; default
+            ``HVD_SPARK_START_TIMEOUT``, else 600. As in Horovod, a started rank's imports
+            do not count: its ``init()`` waits for slower peers as long as a collective.
         env: Variables added to every rank's environment.
         stdout: Stream receiving the ranks' stdout lines, prefixed ``[rank]``; default the
             driver's ``sys.stdout`` (a notebook cell shows them live).
