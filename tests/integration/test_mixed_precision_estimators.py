@@ -46,7 +46,8 @@ def test_torch_estimator_fp16_matches_one_process(equivalence_frame, tmp_path) -
     fitted = est.fit(equivalence_frame)
     batches = jobs.recorded_global_batches(str(tmp_path / "batches"), jobs.N, STEPS,
                                            "features", "label")
-    # GradScaler's default scale (2^16) here, as the Estimator's; no step overflowed at it.
+    # GradScaler's default scale (2^16), as the Estimator's. A step skipped on one side
+    # only (an overflow) would differ by a whole step and fail the comparison.
     plain = mj.torch_amp_plain(initial, "fp16", batches=batches, init_scale=2.0 ** 16)
     result = jobs.compare(jobs.torch_weights(fitted.getModel()), plain, initial)
     print(f"TorchEstimator fp16: {result}")
