@@ -107,6 +107,10 @@ def _start_engine(world: WorldInfo, config: EngineConfig, factory: registry.Fact
         # Members of a new generation are all alive and waiting: a ring that does
         # not form quickly lost a member, and the next generation will do better.
         start_timeout = min(start_timeout, membership.MESH_TIMEOUT_S)
+    else:
+        # Peers may still be importing their framework, which the start timeout does not
+        # count (as in Horovod): wait for them as long as a collective waits for its peers.
+        start_timeout = max(start_timeout, config.timeout)
     addr = wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR)
     store = StoreClient(addr, world.secret, start_timeout)
     try:

@@ -14,7 +14,7 @@ from typing import Any
 import cloudpickle
 
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator import dry_run, learning_rate
+from hvd_spark.estimator import dry_run, learning_rate, torch_amp
 from hvd_spark.estimator.base import MODEL_PARAMS, HvdEstimator, HvdModel, define
 from hvd_spark.estimator.lightning_strategy import lightning_package
 from hvd_spark.estimator.params import keyword_only_params
@@ -32,6 +32,7 @@ TORCH_PARAMS = [
     learning_rate.PARAM_SPEC,
     learning_rate.RATE_SPEC,
     dry_run.PARAM_SPEC,
+    torch_amp.PARAM_SPEC,
 ]
 
 TORCH_MODEL_PARAMS = [
@@ -170,6 +171,9 @@ class TorchEstimator(TorchInputShapes, HvdEstimator):
     - With ``sample_weight_col``, a loss module must return per-row values
       (``reduction="none"``); a loss function is called with ``reduction="none"``.
     - ``use_gpu`` (default True) trains on a GPU when the rank has one, else on the CPU.
+    - ``mixed_precision`` (hvd_spark only): ``"bf16"`` trains under bfloat16 autocast,
+      ``"fp16"`` under float16 autocast with a ``GradScaler`` (Horovod's recipe); None
+      (default) in float32. See ``hvd_spark.estimator.torch_amp``.
     """
 
     _step_checkpoints = True
@@ -191,12 +195,13 @@ class TorchEstimator(TorchInputShapes, HvdEstimator):
                  transformation_edit_fields=None, transformation_removed_fields=None,
                  tensorflow_dataset_prefetch_buffer_size=0, output_cols=None,
                  max_retries=3, checkpoint_every_steps=None, scale_learning_rate=True,
-                 learning_rate=None, mlflow=None, dry_run=True):
+                 learning_rate=None, mlflow=None, dry_run=True, mixed_precision=None):
         super().__init__()
         self.setParams(**self._input_kwargs)
 
     def _extra(self) -> dict:
-        return {learning_rate.PARAM: self.value(learning_rate.PARAM)}
+        return {learning_rate.PARAM: self.value(learning_rate.PARAM),
+                torch_amp.PARAM: self.value(torch_amp.PARAM)}
 
     def _learning_rate_note(self, num_proc: int) -> str:
         rates = [group["lr"] for group in self._optimizer().param_groups]
@@ -257,6 +262,7 @@ class TorchEstimator(TorchInputShapes, HvdEstimator):
                               "train_minibatch function, as in Horovod")
         self._input_shapes()
         learning_rate.check_rate(self.value(learning_rate.RATE))
+        torch_amp.check_mode(self.value(torch_amp.PARAM), fn is not None)
 
     def _payload(self) -> dict:
         return {

@@ -27,6 +27,7 @@ import cloudpickle
 import numpy as np
 
 from hvd_spark.estimator import history as hist
+from hvd_spark.estimator import torch_amp
 from hvd_spark.estimator.learning_rate import PARAM as SCALE_PARAM
 from hvd_spark.estimator.learning_rate import TorchRates
 from hvd_spark.estimator.step_checkpoints import (
@@ -209,6 +210,8 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     plain = hist.plain_metric_names(groups, ds.label_cols)  # Keras users' names too
     transform_outputs = make_transform_outputs(spec.label_shapes)
     minibatch = payload["train_minibatch_fn"]() if payload["train_minibatch_fn"] else None
+    mode = spec.extra.get(torch_amp.PARAM)
+    amp = torch_amp.AmpStep(mode, device, torch) if mode else None
     shapes = payload["input_shapes"]
     history: list[dict] = []
     resumed: dict = {"sums": {}, "steps": 0}  # this rank's part of a step checkpoint
@@ -281,7 +284,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             if step < skip:
                 continue  # the same batches in the same order as before the loss
             inputs, labels, row_weights = prepare(batch)
-            run = minibatch or default_minibatch
+            run = minibatch or (amp.minibatch if amp else default_minibatch)
             outputs, loss = run(model, dist_opt, transform_outputs, loss_fn, inputs, labels,
                                 row_weights, spec.backward_passes_per_step, step)
             outputs, labels = transform_outputs(outputs, labels)
@@ -300,7 +303,10 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             # The epoch ended inside an accumulation: step on what was accumulated, as
             # Lightning does (the batch index restarts each epoch, so carrying the passes
             # over would exceed backward_passes_per_step before the next step).
-            dist_opt.step()
+            if amp:
+                amp.step(dist_opt)
+            else:
+                dist_opt.step()
             dist_opt.zero_grad()
         return {k: v / max(steps, 1) for k, v in sums.items()}
 

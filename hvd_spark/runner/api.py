@@ -113,8 +113,9 @@ def run(
         kwargs: Its keyword arguments.
         num_proc: Number of ranks; default: the number of tasks the cluster runs at once
             (its task slots, counting ``spark.task.cpus`` and GPUs per task).
-        start_timeout: Seconds for all tasks to start and the ranks to connect; default
-            ``HVD_SPARK_START_TIMEOUT``, else 600.
+        start_timeout: Seconds for all tasks to start and register; default
+            ``HVD_SPARK_START_TIMEOUT``, else 600. As in Horovod, a started rank's imports
+            do not count: its ``init()`` waits for slower peers as long as a collective.
         env: Variables added to every rank's environment.
         stdout: Stream receiving the ranks' stdout lines, prefixed ``[rank]``; default the
             driver's ``sys.stdout`` (a notebook cell shows them live).

@@ -18,6 +18,17 @@ BEAT = "beat"
 _CHECK_PERIOD_S = 0.25
 
 
+def hearing_grace(limit: float) -> float:
+    """Seconds a launcher that found a rank silent waits before stopping the others.
+
+    It answers their next beat (every quarter of ``limit``) with the reason; they fail
+    their collectives with it and report it, so that every survivor's error names the
+    silent rank, not "rank 0 disconnected" after rank 0 was stopped first. One beat,
+    plus a second to fail, report and exit.
+    """
+    return limit / 4 + 1.0
+
+
 class HeartbeatMonitor:
     """Tracks the last beat of each worker, in a thread that checks every 0.25 s.
 

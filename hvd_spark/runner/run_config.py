@@ -30,7 +30,8 @@ class Timeouts:
     """Every deadline of one run, in seconds.
 
     Attributes:
-        start_timeout: For every rank to start and register (and the first ring to form).
+        start_timeout: For every rank's task to start and register (not for a started
+            rank's imports before ``init()``, as in Horovod).
         elastic_timeout: For a broken elastic ring to re-form.
         heartbeat_s: Silence after which a rank counts as lost (0: off).
         collective_timeout: What one collective may wait for its peers (``hvdrun

@@ -22,6 +22,7 @@ built-in optimizers are registered when this module is imported, so
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -140,6 +141,35 @@ class _DistributedMixin:
         if not self._hvd_accumulating and grads and not reduced:
             grads = self._hvd_reduce(grads)
         return super().apply(grads, trainable_variables)
+
+    def reduce_for_loss_scale(self, grads: Any, trainable_variables: Any = None) -> list:
+        """Reduce ``grads`` for the ``LossScaleOptimizer`` around this one, before its check.
+
+        Keras's ``LossScaleOptimizer`` skips the inner optimizer's ``apply`` when its
+        gradients are not finite. Each rank would decide on its own gradients: the rank
+        that overflowed would skip the allreduce its peers wait in, and the replicas
+        would part. Reduced first (Horovod reduces inside Keras 2's
+        ``compute_gradients``, before the same check), every rank checks the same
+        gradients and skips the same steps; the next ``apply`` does not reduce again.
+
+        Raises:
+            ConfigError: ``backward_passes_per_step > 1`` (the reduction runs on the
+                accumulated gradients, inside the step a rank may skip alone).
+        """
+        if self._hvd_accumulating:
+            raise ConfigError(
+                "LossScaleOptimizer around a DistributedOptimizer with "
+                "backward_passes_per_step > 1 is not supported: a rank whose gradients "
+                "overflow would skip the accumulated allreduce alone; use "
+                "backward_passes_per_step=1 or bfloat16 (mixed_bfloat16 needs no loss scale)")
+        grads = list(grads)
+        variables = None if trainable_variables is None else list(trainable_variables)
+        self._hvd_seen.variables = variables
+        if not self._hvd_checked and grads:
+            self._hvd_check(grads, variables)
+        grads = self._hvd_reduce(grads)
+        self._hvd_seen.reduced = True
+        return grads
 
     def _clip_gradients(self, grads: list) -> list:
         # Keras calls this exactly once per real update, with the mean of the
@@ -350,4 +380,32 @@ def _register_builtins() -> None:
             distributed_class(obj)
 
 
+def _reduce_before_loss_scaling() -> None:
+    """Make ``keras.mixed_precision.LossScaleOptimizer`` reduce a DistributedOptimizer's
+    gradients before its finiteness check (see ``reduce_for_loss_scale``).
+
+    ``model.compile`` wraps any optimizer of a ``mixed_float16`` model in Keras's own
+    class, so the class itself must do it; it behaves as before around other optimizers.
+    """
+    cls = keras.optimizers.LossScaleOptimizer
+    original = cls.apply
+    if getattr(original, "_hvd_spark", False):
+        return
+
+    @functools.wraps(original)
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        inner = getattr(self, "inner_optimizer", None)
+        if not isinstance(inner, _DistributedMixin):
+            return original(self, grads, trainable_variables)
+        grads = inner.reduce_for_loss_scale(grads, trainable_variables)
+        try:
+            return original(self, grads, trainable_variables)
+        finally:  # eagerly, a skipped step never reaches the inner apply that clears it
+            inner._hvd_seen.reduced = False
+
+    apply._hvd_spark = True  # type: ignore[attr-defined]
+    cls.apply = apply
+
+
 _register_builtins()
+_reduce_before_loss_scaling()

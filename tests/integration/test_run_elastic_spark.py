@@ -128,3 +128,6 @@ def test_a_frozen_rank_under_hvd_spark_run_fails_the_run_within_the_heartbeat(sp
     assert time.monotonic() - started < 120  # not the 300 s collective timeout
     root = info.value.root_cause
     assert root.rank == 1 and "sent no heartbeat" in root.message and root.lost
+    # The survivor heard why before it was stopped (issue 47): its error names rank 1.
+    survivor = next(f for f in info.value.failures if f.rank == 0)
+    assert "rank 1 sent no heartbeat" in survivor.message, survivor.message

@@ -198,3 +198,48 @@ def test_a_join_waiting_when_the_job_ends_returns_at_once(end):
         assert out["seconds"] < 3
     finally:
         d.close()
+
+
+def test_started_workers_slower_to_init_than_the_start_timeout_still_form_the_ring():
+    """Issue 47: as in Horovod, the start timeout bounds the workers' start, not their
+    processes' imports before init(); started workers get the elastic timeout on top."""
+    d = ElasticDriver(_settings(num_proc=2, min_np=2, max_np=2, start_timeout=0.3,
+                                elastic_timeout=10))
+    try:
+        d.worker_started("a", "h")
+        d.worker_started("b", "h")
+        time.sleep(0.8)  # the start timeout has passed while both were importing
+        got = _join_all(d, [("a", "h", 0), ("b", "h", 0)])
+        assert {w: (g["generation"], g["size"]) for w, g in got.items()} == {
+            "a": (1, 2), "b": (1, 2)}, got
+    finally:
+        d.close()
+
+
+def test_too_few_workers_started_within_the_start_timeout_is_fatal():
+    d = ElasticDriver(_settings(num_proc=3, min_np=3, max_np=3, start_timeout=0.3,
+                                elastic_timeout=10))
+    try:
+        d.worker_started("a", "h")
+        got = _join_all(d, [("a", "h", 0), ("b", "h", 0)])
+        assert all(isinstance(e, ElasticJobError) for e in got.values()), got
+        assert "only 2 of the 3 workers started within the start timeout of 0.3 s" in str(
+            got["a"])
+    finally:
+        d.close()
+
+
+def test_a_started_worker_that_never_calls_init_is_bounded_by_the_elastic_timeout():
+    d = ElasticDriver(_settings(num_proc=2, min_np=2, max_np=2, start_timeout=0.2,
+                                elastic_timeout=0.5))
+    try:
+        d.worker_started("a", "h")
+        d.worker_started("b", "h")  # its process never reaches init()
+        begun = time.monotonic()
+        got = _join_all(d, [("a", "h", 0)])
+        assert isinstance(got["a"], ElasticJobError), got
+        assert ("only 1 of the 2 started workers called init() within the start timeout "
+                "of 0.2 s and the elastic timeout of 0.5 s after it") in str(got["a"])
+        assert time.monotonic() - begun < 5
+    finally:
+        d.close()

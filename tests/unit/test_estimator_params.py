@@ -162,6 +162,11 @@ def test_torch_checks_name_the_parameter():
         TorchEstimator(**_torch_kwargs(mp_start_method="thread")).fit(None)
     with pytest.raises(ConfigError, match="label_shapes must hold one shape per label"):
         TorchEstimator(**_torch_kwargs(label_shapes=[[1], [2]])).fit(None)
+    with pytest.raises(ConfigError, match=r"mixed_precision must be 'bf16', 'fp16' or None"):
+        TorchEstimator(**_torch_kwargs(mixed_precision="float16")).fit(None)
+    with pytest.raises(ConfigError, match="mixed_precision does not apply to a train_minibatch"):
+        TorchEstimator(**_torch_kwargs(mixed_precision="bf16",
+                                       train_minibatch_fn=lambda: None)).fit(None)
 
     import lightning.pytorch as pl
 

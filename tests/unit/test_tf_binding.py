@@ -79,6 +79,18 @@ def test_distributed_optimizer_settings_and_config():
     assert len(opt.variables) == before
 
 
+def test_loss_scale_optimizer_refuses_accumulation_around_a_distributed_one():
+    """A rank whose accumulated gradients overflow would skip the allreduce alone."""
+    opt = keras.mixed_precision.LossScaleOptimizer(
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2))
+    with pytest.raises(ConfigError, match="backward_passes_per_step > 1 is not supported"):
+        opt.apply([keras.ops.ones((2,))], [keras.Variable([1.0, 2.0])])
+    plain = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    var = keras.Variable([1.0, 2.0])
+    plain.apply([keras.ops.ones((2,)) * plain.initial_scale], [var])  # unchanged elsewhere
+    np.testing.assert_allclose(np.asarray(var), [0.9, 1.9], rtol=1e-6)
+
+
 def test_callbacks_validate_their_settings():
     with pytest.raises(ConfigError, match="filepath"):
         hvd.callbacks.BestModelCheckpoint().on_train_begin()

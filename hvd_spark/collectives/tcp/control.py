@@ -181,21 +181,26 @@ class ControlMixin:
         return messages_of(kind, payload)
 
     def _tell_others(self, failure: BaseException | None) -> None:
-        """Rank 0: pass the reason it stopped to every rank before closing, so they fail
-        with the root cause ("rank 1 disconnected") instead of "rank 0 disconnected"."""
-        if (self._coordinator is None or self._told_others
-                or not isinstance(failure, PeerDisconnectedError)):
+        """Pass the reason this rank stops to its control peers before closing (rank 0:
+        every rank; the others: rank 0, which passes it on), so that every survivor
+        fails with the root cause ("rank 2 sent no heartbeat ...") instead of "rank 1
+        disconnected" when that rank stopped on the news first."""
+        if not isinstance(failure, PeerDisconnectedError):
             return
-        self._told_others = True
-        for peer, sock in self._control.items():
-            try:
-                with self._send_lock:
-                    if peer in self._draining:
-                        continue  # a frame is half sent there: closing tells it
+        reason = getattr(failure, "root_reason", None) or str(failure)
+        told_by = getattr(failure, "told_by", None)  # it knows already
+        with self._send_lock:
+            if self._told_others:
+                return
+            self._told_others = True
+            for peer, sock in self._control.items():
+                if peer == told_by or peer in self._draining:
+                    continue  # (a frame half sent there: closing tells it)
+                try:
                     sock.settimeout(_ABORT_SEND_S)
-                    wire.send_obj(sock, ("abort", str(failure)), f"rank {peer}")
-            except (HvdSparkError, OSError):
-                pass  # that peer is gone too, or stuck: closing tells it anyway
+                    wire.send_obj(sock, ("abort", reason), f"rank {peer}")
+                except (HvdSparkError, OSError):
+                    pass  # that peer is gone too, or stuck: closing tells it anyway
 
     # ------------------------------------------------------------------ leaving
 

@@ -176,6 +176,8 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         with self._lock:
             if self._failure is None:
                 self._failure = error
+        # Before the sockets go: the peers learn why, not just that this rank left.
+        self._tell_others(self._failure)
         for sock in self._control.values():
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -344,7 +346,9 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
                         self._pairs.drop(response.names)
                 self._execute(response)
         elif kind == "abort":
-            raise PeerDisconnectedError(f"{payload} (as rank 0 saw it)")
+            error = PeerDisconnectedError(f"{payload} (as rank {peer} saw it)")
+            error.root_reason, error.told_by = payload, peer  # passed on as it came
+            raise error
         elif kind == "bye":
             self._bye_from.add(peer)
             if self._coordinator is None:

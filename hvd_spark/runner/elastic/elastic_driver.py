@@ -30,6 +30,7 @@ from hvd_spark.runner.run_config import ElasticConfig
 log = logging.getLogger(__name__)
 
 JOIN = "elastic.join"
+STARTED = "elastic.started"
 VERSION = "elastic.version"
 DESCRIBE = "elastic.describe"
 _CHECK_PERIOD_S = 0.25
@@ -101,7 +102,7 @@ class ElasticDriver:
     def handlers(self) -> dict[str, Callable]:
         """The store request kinds this driver serves."""
         return {JOIN: self.join, VERSION: self.current_version, BEAT: self.beat,
-                DESCRIBE: self.describe}
+                DESCRIBE: self.describe, STARTED: self.worker_started}
 
     def describe(self, worker: str, label: str) -> None:
         """Name what hosts ``worker`` (e.g. "Spark executor 2"), for the messages."""
@@ -274,15 +275,28 @@ class ElasticDriver:
         ready = [w for w in self._alive if w in self._waiting]
         if self.generation == 0:
             waited = now - self._started
+            started = len(self._alive)
             # A worker lost before the first ring formed is not waited for: start with
             # the rest once every live worker is ready (and at least min_np are).
-            rest_ready = bool(self.lost) and len(ready) == len(self._alive) >= s.min_np
-            if (len(ready) < min(s.num_proc, s.max_np) and waited < s.start_timeout
-                    and not rest_ready):
-                return events
+            rest_ready = bool(self.lost) and len(ready) == started >= s.min_np
+            if len(ready) < min(s.num_proc, s.max_np) and not rest_ready:
+                if waited < s.start_timeout:
+                    return events
+                if started < s.min_np:
+                    self.fail(f"only {started} of the {s.num_proc} workers started within "
+                              f"the start timeout of {s.start_timeout:g} s "
+                              f"(min_np={s.min_np})")
+                    return events
+                # As in Horovod, the start timeout bounds the tasks' start, not what a
+                # started worker's process does before init() (importing its framework):
+                # those get the elastic timeout on top.
+                if len(ready) < started and waited < s.start_timeout + s.elastic_timeout:
+                    return events
             if len(ready) < s.min_np:
-                self.fail(f"only {len(ready)} of the {s.num_proc} workers joined within the "
-                          f"start timeout of {s.start_timeout:.0f} s (min_np={s.min_np})")
+                self.fail(f"only {len(ready)} of the {started} started workers called init() "
+                          f"within the start timeout of {s.start_timeout:g} s and the "
+                          f"elastic timeout of {s.elastic_timeout:g} s after it "
+                          f"(min_np={s.min_np})")
                 return events
         else:
             if self._broken is None:

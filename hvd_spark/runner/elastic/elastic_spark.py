@@ -209,7 +209,9 @@ def run_elastic(
         num_proc: Ranks of the first ring (default: the cluster's task slots).
         min_np: Fewest ranks to go on with (default ``num_proc``).
         max_np: Most ranks; also the number of Spark tasks (default ``num_proc``).
-        start_timeout: Seconds for the first ring to form (default 600).
+        start_timeout: Seconds for the workers' tasks to start (default 600); started
+            workers then have ``elastic_timeout`` more to call ``init()`` (their imports
+            do not count against it, as in Horovod).
         elastic_timeout: Seconds to re-form a ring after a loss (default 600).
         reset_limit: Most re-formations (default: no limit).
         env: Variables for every worker.

@@ -22,7 +22,7 @@ from typing import Any
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.errors import HvdSparkError
-from hvd_spark.runner.elastic.elastic_driver import DESCRIBE
+from hvd_spark.runner.elastic.elastic_driver import DESCRIBE, STARTED
 from hvd_spark.runner.gpu_mapping import index_in_visible
 from hvd_spark.runner.spark.spark_task import connect_to_driver, task_host
 from hvd_spark.runner.spark.task_process import (
@@ -125,6 +125,9 @@ def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int,
         label = executor_label()
         if label:
             client.call(DESCRIBE, worker, label, timeout=wire.HANDSHAKE_TIMEOUT_S)
+        # Started: from here the driver waits for this worker's init() past the start
+        # timeout (the process's imports do not count against it).
+        client.call(STARTED, worker, host, timeout=wire.HANDSHAKE_TIMEOUT_S)
         proc = start_worker(worker_env(dict(os.environ), spec, worker, host, task_gpus))
         # Output lines carry the partition: the worker's rank changes as the ring re-forms.
         sender = LogSender(client, partition)

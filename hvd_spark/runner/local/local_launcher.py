@@ -29,13 +29,16 @@ from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.runner import torch_world, worker
 from hvd_spark.runner.failures import WorkerFailure
-from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
+from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor, hearing_grace
 from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import DEFAULT_HEARTBEAT_S, RunConfig, Timeouts
 from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 _TEARDOWN_GRACE_S = 3.0
+# After a rank failed, how long the others may take to notice (its sockets closed) and
+# report why, before the launcher stops them: each survivor's error then names the rank.
+_NOTICE_S = 1.0
 _HOST = "localhost"
 
 
@@ -142,37 +145,48 @@ class LocalJob(Launcher):
         """
         failures: dict[int, WorkerFailure] = {}
         exited: dict[int, int] = {}
+        silent: set[int] = set()
         torn_down_at: float | None = None
+        stop_at: float | None = None  # when to stop the ranks left, once one failed
         while len(exited) < self.num_proc:
             try:
                 kind, rank, a, b, when = self._events.get(timeout=0.5)
             except queue.Empty:
+                kind = ""
                 if torn_down_at is not None and time.time() - torn_down_at > _TEARDOWN_GRACE_S:
                     self._escalated = True
                     self._signal_all(signal.SIGKILL)
-                continue
             if kind == "silent":
                 failure = WorkerFailure(rank, self.host_of(rank), (
                     f"rank {rank} sent no heartbeat for {a:.0f} s: its process is frozen "
                     "(stopped, or stuck outside Python) or its host is unreachable"), lost=True)
                 failures.setdefault(rank, failure)
+                silent.add(rank)
                 self.heartbeats.abort(failure.message)
+                if stop_at is None:  # the others hear why, fail with it and report it
+                    stop_at = time.time() + hearing_grace(self.timeouts.heartbeat_s)
             elif kind == "report":
                 if a == "ok":
                     self.results[rank] = b
                 else:
                     failures.setdefault(rank, b)
-            else:
+            elif kind == "exit":
                 exited[rank] = a
                 self.heartbeats.forget(rank)
                 unreported = expect_reports and rank not in self.results
                 if rank not in failures and (a != 0 or unreported):
+                    # Ended before the teardown (a kill -9 that a peer reported first):
+                    # its own fault, not the launcher's stop.
+                    stopped = torn_down_at is not None and when >= torn_down_at
                     failures[rank] = WorkerFailure.from_exit(
-                        rank, self.host_of(rank), a, torn_down=torn_down_at is not None,
+                        rank, self.host_of(rank), a, torn_down=stopped,
                         escalated=self._escalated)
             if failures and torn_down_at is None:
-                torn_down_at = time.time()
-                self._signal_all(signal.SIGTERM)
+                stop_at = time.time() + _NOTICE_S if stop_at is None else stop_at
+                others_done = all(r in exited or r in silent for r in range(self.num_proc))
+                if time.time() >= stop_at or others_done:
+                    torn_down_at = time.time()
+                    self._signal_all(signal.SIGTERM)
         self._drain_reports(failures)
         self._output.close()
         self.failures = list(failures.values())

@@ -28,6 +28,7 @@ from hvd_spark.errors import (
     WorkerFailedError,
 )
 from hvd_spark.runner.failures import WorkerFailure
+from hvd_spark.runner.heartbeat_monitor import hearing_grace
 from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.run_config import Timeouts
 from hvd_spark.runner.spark import spark_task, task_loss
@@ -161,6 +162,8 @@ class _Outcome:
     exited: set[int] = dataclasses.field(default_factory=set)
     spark_error: BaseException | None = None
     spark_done: bool = False
+    silent: set[int] = dataclasses.field(default_factory=set)
+    stop_at: float | None = None  # a rank fell silent: the others hear why until then
 
 
 class SparkLaunch(Launcher):
@@ -330,11 +333,19 @@ class SparkLaunch(Launcher):
             try:
                 kind, key, value = self.service.events.get(timeout=_POLL_S)
             except queue.Empty:
-                continue
-            self._apply(out, kind, key, value, torn_down=teardown_at is not None)
-            if out.failures and teardown_at is None:
+                pass
+            else:
+                self._apply(out, kind, key, value, torn_down=teardown_at is not None)
+            if out.failures and teardown_at is None and self._stop_now(out):
                 teardown_at = time.monotonic()
                 self.service.stop()
+
+    def _stop_now(self, out: _Outcome) -> bool:
+        """Whether to stop the ranks after a failure: at once, or after a silent rank's
+        peers heard why (or ended)."""
+        if out.stop_at is None or time.monotonic() >= out.stop_at:
+            return True
+        return all(r in out.exited or r in out.silent for r in range(self.num_proc))
 
     def _apply(self, out: _Outcome, kind: str, key: int, value: Any, torn_down: bool) -> None:
         host = self.service.hosts.get(key, "?")
@@ -356,7 +367,10 @@ class SparkLaunch(Launcher):
                 f"rank {key} sent no heartbeat for {value:.0f} s: its process or executor froze "
                 "or died, or its host is unreachable"), lost=True)
             out.failures.setdefault(key, failure)
+            out.silent.add(key)
             self.service.abort_ranks(failure.message)
+            if out.stop_at is None:  # the others hear why, fail with it and report it
+                out.stop_at = time.monotonic() + hearing_grace(self.timeouts.heartbeat_s)
         elif kind == "spark_done":
             out.spark_done, out.spark_error = True, value
 
