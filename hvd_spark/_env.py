@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 from hvd_spark.errors import ConfigError
 
@@ -122,6 +123,54 @@ def rank_variables(rank: int, size: int, local_rank: int, local_size: int, cross
         (HOSTNAME, HOROVOD_HOSTNAME): hostname,
     }
     return {name: str(value) for names, value in values.items() for name in names}
+
+
+
+# torchrun's worker environment beyond the rank's own numbers (``rank_variables``): what
+# torch.distributed's env:// rendezvous, Lightning, accelerate and the Trainer read.
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+TORCHRUN_NAMES = (MASTER_ADDR, MASTER_PORT, "GROUP_RANK", "NODE_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                  "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def torchrun_variables(*, rank: int, size: int, node_rank: int, num_nodes: int, run_id: str,
+                       master_addr: str | None = None, master_port: int | None = None
+                       ) -> dict[str, str]:
+    """The torchrun variables of one rank besides ``RANK``/``WORLD_SIZE``/``LOCAL_*``.
+
+    Args:
+        rank: The rank's global rank (torchrun's ``ROLE_RANK`` equals it: one role).
+        size: The number of ranks.
+        node_rank: Index of the rank's host among the job's hosts (``GROUP_RANK``, and
+            Lightning's ``NODE_RANK``).
+        num_nodes: Number of hosts (``GROUP_WORLD_SIZE``).
+        run_id: The job's id (``TORCHELASTIC_RUN_ID``).
+        master_addr: Rank 0's address as the other ranks reach it; None where the rank
+            learns it as it starts (``runner.torch_world.exchange_master``).
+        master_port: The port found free on rank 0's host; None likewise.
+    """
+    values: dict[str, Any] = {
+        MASTER_ADDR: master_addr,
+        MASTER_PORT: master_port,
+        "GROUP_RANK": node_rank,
+        "NODE_RANK": node_rank,
+        "GROUP_WORLD_SIZE": num_nodes,
+        "ROLE_RANK": rank,
+        "ROLE_WORLD_SIZE": size,
+        "ROLE_NAME": "default",
+        "TORCHELASTIC_RUN_ID": run_id,
+        # A fixed job: torch.distributed's restarts are ours (the Estimators' recovery).
+        "TORCHELASTIC_RESTART_COUNT": 0,
+        "TORCHELASTIC_MAX_RESTARTS": 0,
+        # No agent hosts a store here: rank 0's init_process_group starts it on MASTER_PORT.
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+    if master_addr is None or master_port is None:
+        del values[MASTER_ADDR], values[MASTER_PORT]
+    return {name: str(value) for name, value in values.items()}
 
 
 # Horovod's names for our knobs, read (first one set wins) where ours is unset.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,6 +66,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             member = membership.membership()
             start_heartbeat(member.addr, member.secret, member.worker)
             world = member.join()  # blocks until the launcher forms the next generation
+            # torch.distributed code re-creates its process group after each reset from
+            # the generation's torchrun variables (rank, size, master).
+            os.environ.update(member.torch_env)
             epoch = STATE.generation = member.generation
             if STATE.heartbeat is not None:
                 STATE.heartbeat.set_generation(epoch)

@@ -9,6 +9,7 @@ elastic training; the recovery loop built on top of the collectives is in ``elas
 from __future__ import annotations
 
 import logging
+import socket
 
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
@@ -46,15 +47,30 @@ class Membership:
         self._client = StoreClient(self.addr, self.secret, self.start_timeout)
         self.generation = 0
         self.version = 0
+        #: torchrun's variables for the generation this worker last joined (``join``).
+        self.torch_env: dict[str, str] = {}
 
     def join(self) -> WorldInfo:
         """Wait for a place in the next generation; return this worker's world in it."""
         budget = self.start_timeout + 2 * self.elastic_timeout + 10.0
-        got = self._client.call(JOIN, self.worker, self.hostname, self.generation,
+        # This host's address and a port free here: torch.distributed's master for the
+        # generation, should this worker be its rank 0.
+        endpoint = (_env.get_str(_env.ADVERTISE_ADDR) or self._client.local_address,
+                    _free_port())
+        got = self._client.call(JOIN, self.worker, self.hostname, self.generation, endpoint,
                                 timeout=budget)
         self.generation, self.version = got["generation"], got["version"]
         log.info("worker %s joined generation %d as rank %d of %d", self.worker,
                  self.generation, got["rank"], got["size"])
+        self.torch_env = {
+            _env.TORCH_RANK: str(got["rank"]), _env.TORCH_WORLD_SIZE: str(got["size"]),
+            _env.TORCH_LOCAL_RANK: str(got["local_rank"]),
+            _env.TORCH_LOCAL_WORLD_SIZE: str(got["local_size"]),
+            **_env.torchrun_variables(
+                rank=got["rank"], size=got["size"], node_rank=got.get("node_rank", 0),
+                num_nodes=got.get("num_nodes", 1), run_id=f"elastic-{self.generation}",
+                master_addr=got.get("master_addr") or None,
+                master_port=got.get("master_port") or None)}
         return WorldInfo(
             rank=got["rank"], size=got["size"], local_rank=got["local_rank"],
             local_size=got["local_size"], cross_rank=got["cross_rank"],
@@ -66,6 +82,12 @@ class Membership:
     def hosts_updated(self) -> bool:
         """True when the driver has workers waiting to join this generation."""
         return self._client.call(VERSION, timeout=30.0) > self.version
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 _membership: list[Membership] = []

@@ -130,3 +130,35 @@ def test_a_torchrun_script_runs_unchanged_under_hvdrun(tmp_path) -> None:
     for rank in (0, 1):
         assert (f"rank={rank} world=2 local={rank} group=0 sum=3 args=['--epochs', '1']"
                 in proc.stdout), proc.stdout
+
+
+def _elastic_torch() -> dict:
+    """An elastic worker: after init() (each generation) torchrun's variables describe the
+    generation, so init_process_group() joins it."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import hvd_spark.torch as hvd
+
+    hvd.init()
+    dist.init_process_group("gloo")
+    try:
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)
+        return {"rank": dist.get_rank(), "hvd_rank": hvd.rank(), "sum": t.item(),
+                "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]),
+                "group": os.environ["GROUP_RANK"]}
+    finally:
+        dist.destroy_process_group()
+        hvd.shutdown()
+
+
+def test_elastic_workers_get_each_generations_torch_world() -> None:
+    from hvd_spark.runner.elastic.elastic_local import run_elastic_local
+
+    results = run_elastic_local(_elastic_torch, num_proc=2, min_np=2, max_np=2)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["rank"] == r["hvd_rank"] and r["sum"] == 3.0 for r in results)
+    assert results[0]["master"] == results[1]["master"] and results[0]["group"] == "0"

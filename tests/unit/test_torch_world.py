@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from hvd_spark import _env
 from hvd_spark.collectives.tcp.store import StoreClient, StoreServer
 from hvd_spark.runner import torch_world
 from hvd_spark.runner.local.local_launcher import rank_env
@@ -14,7 +15,7 @@ from hvd_spark.runner.rendezvous import TaskSlot, assign_ranks, with_master
 
 
 def test_variables_name_what_torchrun_lightning_and_accelerate_read() -> None:
-    env = torch_world.variables(rank=3, size=4, node_rank=1, num_nodes=2, run_id="job",
+    env = _env.torchrun_variables(rank=3, size=4, node_rank=1, num_nodes=2, run_id="job",
                                 master_addr="10.0.0.1", master_port=29511)
     assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "29511"
     assert env["GROUP_RANK"] == env["NODE_RANK"] == "1"
@@ -23,11 +24,11 @@ def test_variables_name_what_torchrun_lightning_and_accelerate_read() -> None:
     assert env["TORCHELASTIC_RUN_ID"] == "job"
     # rank 0 must start torch's store itself: no agent store exists
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
-    assert set(env) == set(torch_world.NAMES)
+    assert set(env) == set(_env.TORCHRUN_NAMES)
 
 
 def test_variables_without_a_master_leave_it_to_the_rank() -> None:
-    env = torch_world.variables(rank=0, size=2, node_rank=0, num_nodes=1, run_id="j")
+    env = _env.torchrun_variables(rank=0, size=2, node_rank=0, num_nodes=1, run_id="j")
     assert "MASTER_ADDR" not in env and "MASTER_PORT" not in env
     assert env["GROUP_RANK"] == "0"
 
@@ -41,7 +42,7 @@ def test_free_port_is_bindable_and_differs_between_calls() -> None:
 
 def test_local_ranks_get_a_complete_torch_world() -> None:
     env = rank_env(1, 2, 4567, b"s" * 32, master_port=31000, run_id="r1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *torch_world.NAMES):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", *_env.TORCHRUN_NAMES):
         assert name in env, name
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "2", "1")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "31000")

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from hvd_spark.errors import ElasticJobError
 from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor
-from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks
+from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks, with_master
 from hvd_spark.runner.run_config import ElasticConfig
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class ElasticDriver:
         self._cond = threading.Condition()
         self.generation = 0
         self.members: dict[str, RankInfo] = {}
+        self._endpoints: dict[str, tuple[str, int] | None] = {}
         self._alive: dict[str, str] = {}  # worker -> host
         self._arrival: dict[str, int] = {}
         self._waiting: set[str] = set()
@@ -109,8 +110,12 @@ class ElasticDriver:
         with self._cond:
             self._labels[worker] = f", {label}"
 
-    def join(self, worker: str, host: str, last_generation: int) -> dict:
+    def join(self, worker: str, host: str, last_generation: int,
+             endpoint: tuple[str, int] | None = None) -> dict:
         """Block until ``worker`` has a place in a generation newer than ``last_generation``.
+
+        ``endpoint``: the worker's address and a port free on its host now; rank 0's becomes
+        the generation's torch.distributed master (``master_addr``/``master_port``).
 
         Returns:
             The worker's :class:`Assignment` as a plain dict (workers do not import the
@@ -127,6 +132,7 @@ class ElasticDriver:
             if self.finished:
                 raise ElasticJobError("the elastic job has finished; no generation will form")
             self._register(worker, host)
+            self._endpoints[worker] = endpoint
             if worker in self.members and last_generation == self.generation:
                 rank = self.members[worker].rank
                 self._break(f"rank {rank} on {host} left generation {self.generation} to "
@@ -332,7 +338,9 @@ class ElasticDriver:
             0 if w in previous else 1,
             previous[w].rank if w in previous else self._arrival.get(w, 0)))
         chosen = order[: self.settings.max_np]
-        infos = assign_ranks([TaskSlot(i, self._alive[w]) for i, w in enumerate(chosen)])
+        infos = with_master(assign_ranks([TaskSlot(i, self._alive[w])
+                                          for i, w in enumerate(chosen)]),
+                            {i: self._endpoints.get(w) for i, w in enumerate(chosen)})
         self.members = {w: infos[i] for i, w in enumerate(chosen)}
         self.generation += 1
         self._waiting -= set(chosen)

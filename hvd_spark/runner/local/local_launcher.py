@@ -55,7 +55,7 @@ def rank_env(rank: int, size: int, store_port: int, secret: bytes,
     ``heartbeat_s`` defaults to ``heartbeat_limit()``; with ``master_port`` (a port free
     on this host) the rank also gets torchrun's world (``torch_world``) under ``run_id``.
     """
-    world = {} if master_port is None else torch_world.variables(
+    world = {} if master_port is None else _env.torchrun_variables(
         rank=rank, size=size, node_rank=0, num_nodes=1, run_id=run_id,
         master_addr="127.0.0.1", master_port=master_port)
     return {

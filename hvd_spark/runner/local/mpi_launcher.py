@@ -91,8 +91,8 @@ def mpirun_command(num_proc: int, command: Sequence[str], env: dict[str, str],
                  if (k.startswith(_FORWARDED_PREFIXES) or k in _FORWARDED)
                  and k not in _env.LAUNCHER_VARS}
     # hvdrun --mpi runs on this host: torch.distributed's master is here (torch_world).
-    master = {torch_world.MASTER_ADDR: "127.0.0.1",
-              torch_world.MASTER_PORT: str(torch_world.free_port("127.0.0.1"))}
+    master = {_env.MASTER_ADDR: "127.0.0.1",
+              _env.MASTER_PORT: str(torch_world.free_port("127.0.0.1"))}
     rank_env = {**master, **inherited, **env, _env.BACKEND: "mpi", "PYTHONUNBUFFERED": "1"}
     full_env = {**os.environ, **rank_env}
     args = [mpirun, "-np", str(num_proc)]

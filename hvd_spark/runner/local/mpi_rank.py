@@ -11,7 +11,6 @@ import os
 import sys
 
 from hvd_spark import _env
-from hvd_spark.runner import torch_world
 
 #: Where Open MPI and MPICH (Hydra) put the rank of the process they start.
 MPI_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -44,7 +43,7 @@ def main(argv: list[str]) -> int:
         if value is not None:
             os.environ[name] = value
     size = int(os.environ.get(_env.TORCH_WORLD_SIZE, "1"))
-    for name, value in torch_world.variables(rank=int(rank), size=size, node_rank=0,
+    for name, value in _env.torchrun_variables(rank=int(rank), size=size, node_rank=0,
                                              num_nodes=1, run_id="mpi").items():
         os.environ.setdefault(name, value)
     sys.stdout.flush()

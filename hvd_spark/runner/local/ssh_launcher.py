@@ -28,7 +28,6 @@ from typing import IO
 
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import torch_world
 from hvd_spark.runner.local import hosts as hostlist
 from hvd_spark.runner.local.local_launcher import LocalJob, local_config
 from hvd_spark.runner.rendezvous import RankInfo
@@ -115,7 +114,7 @@ class SshJob(LocalJob):
         env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
                                        info.cross_rank, info.cross_size, info.host))
         # Rank 0's host may be another: its remote_rank probes the port and publishes it.
-        env.update(torch_world.variables(rank=info.rank, size=info.size,
+        env.update(_env.torchrun_variables(rank=info.rank, size=info.size,
                                          node_rank=info.node_rank, num_nodes=info.num_nodes,
                                          run_id=self.run_id))
         env.update({_env.RENDEZVOUS_ADDR: f"{store}:{self.store.port}",

@@ -103,7 +103,7 @@ def child_env(
     env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
                                    info.cross_rank, info.cross_size, info.host))
     if info.master_port:
-        env.update(torch_world.variables(
+        env.update(_env.torchrun_variables(
             rank=info.rank, size=info.size, node_rank=info.node_rank, num_nodes=info.num_nodes,
             master_addr=info.master_addr, master_port=info.master_port, run_id=spec.run_id))
     if gpus is not None:
