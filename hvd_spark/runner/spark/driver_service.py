@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 from hvd_spark.collectives.tcp.store import StoreServer
-from hvd_spark.data.shares import empty_share_message
 from hvd_spark.errors import DataError, HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import worker
 from hvd_spark.runner.failures import WorkerFailure
@@ -135,6 +134,10 @@ class DriverService:
                 if self._share_rows:
                     least = min(self._share_rows.values())
                     if least == 0:
+                        # Imported here: tasks import this module, and the data layer's
+                        # writer (pyspark, pandas) would cost each of them ~0.25 s.
+                        from hvd_spark.data.shares import empty_share_message
+
                         self._share_error = empty_share_message(self._share_rows, self.num_proc)
                     self._assignment = {p: dataclasses.replace(i, share_min_rows=least)
                                         for p, i in self._assignment.items()}

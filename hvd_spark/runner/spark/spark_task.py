@@ -23,7 +23,6 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import advertise_addr
-from hvd_spark.data.rank_share import share_directory, write_share
 from hvd_spark.errors import ConfigError, HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import torch_world
 from hvd_spark.runner.failures import WorkerFailure
@@ -169,6 +168,10 @@ def run_task(spec: TaskSpec, partition: int, task_gpus: list[str],
     share: tuple[str, int] | None = None
     try:
         if rows is not None:
+            # Only here: the data layer's import (pyarrow.dataset, pandas) costs a task
+            # ~0.3 s, which a run without a DataFrame must not pay.
+            from hvd_spark.data.rank_share import share_directory, write_share
+
             path = os.path.join(share_directory(), f"hvd_spark-{spec.run_id}-{partition}.arrow")
             share = (path, 0)
             share = (path, write_share(rows, path))
