@@ -18,7 +18,7 @@ __all__ = ["HorovodRunner", "SparkBackend", "TorchDistributor", "__version__",
 
 def __getattr__(name: str) -> Any:
     if name == "run_local":
-        from hvd_spark.runner.local.local_launcher import run_local
+        from hvd_spark.runner.api import run_local
 
         return run_local
     if name == "run":

@@ -9,6 +9,7 @@ from Spark's shuffle and writes it to its executor's local disk for its rank
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,3 +54,39 @@ def empty_share_message(rows: dict[int, int], num_proc: int) -> str:
                 "needs rows to train on; use fewer ranks (num_proc) or more data")
     return (f"the shares of partitions {empty} are empty after repartitioning {total} rows "
             f"into {num_proc}: use fewer ranks, or more rows")
+
+
+def write_local_shares(df: Any, num_proc: int, directory: str) -> list[tuple[str, int]]:
+    """Write ``df``'s rows as ``num_proc`` share files in ``directory``, for local ranks.
+
+    One Spark job (not a barrier stage): task ``i`` streams partition ``i`` of
+    :func:`prepare_shares` into ``directory/share-i.arrow``. The executors must see the
+    driver's ``directory``: a local master.
+
+    Returns:
+        ``(path, rows)`` of each share, index = rank.
+
+    Raises:
+        DataError: As :func:`prepare_shares`, or a share came out empty.
+    """
+    frame = prepare_shares(df, num_proc)
+
+    def write(batches: Any) -> Any:
+        import os
+
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        from hvd_spark.data.rank_share import write_share
+
+        part = TaskContext.get().partitionId()
+        path = os.path.join(directory, f"share-{part}.arrow")
+        rows = write_share(batches, path)
+        yield pa.RecordBatch.from_pydict({"partition": [part], "rows": [rows]})
+
+    got = {row["partition"]: row["rows"] for row in
+           frame.mapInArrow(write, "partition long, rows long").collect()}
+    rows = {p: got.get(p, 0) for p in range(num_proc)}
+    if min(rows.values()) == 0:
+        raise DataError(empty_share_message(rows, num_proc))
+    return [(os.path.join(directory, f"share-{p}.arrow"), rows[p]) for p in range(num_proc)]

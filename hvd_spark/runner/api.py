@@ -14,7 +14,6 @@ from typing import IO, Any
 import cloudpickle
 
 from hvd_spark import _env
-from hvd_spark.data.shares import prepare_shares
 from hvd_spark.errors import ConfigError
 from hvd_spark.runner import mlflow_env, mlflow_inputs, worker
 from hvd_spark.runner.console import verbose_logging
@@ -216,6 +215,8 @@ def _run_with_report(payload: bytes, config: RunConfig, df: Any = None) -> RunRe
         if per_task != 1:
             raise ConfigError("df= needs one rank per Spark task (ranks_per_task=1): each "
                               "task hands its partition of the DataFrame to its rank")
+        from hvd_spark.data.shares import prepare_shares  # pyarrow, pandas: only with df
+
         data = prepare_shares(df, num_proc)  # the columns are checked before anything runs
         mlflow_inputs.log_dataframe_input(df)  # with an active MLflow run: its lineage
     bind_host, advertise_host = spark_launcher.driver_hosts(sc)
@@ -251,3 +252,54 @@ def _run_with_report(payload: bytes, config: RunConfig, df: Any = None) -> RunRe
     log.log(level, "hvd_spark.run: %d ranks finished in %.2f s", num_proc,
             time.monotonic() - started)
     return report
+
+
+def run_local(
+    fn: Callable,
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    num_proc: int | None = None,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    df: Any = None,
+) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` local processes; results in rank order.
+
+    As ``hvd_spark.runner.local.local_launcher.run_local`` (no Spark needed), and with
+    ``df`` as ``run``'s: each rank reads its share of the DataFrame from a local file
+    (``dataframe_loader``, ...), written by one Spark job of the active session, whose
+    master must be local (its executors write where the ranks read); the files are
+    removed when the ranks end.
+
+    Raises:
+        ConfigError: Bad arguments, or ``df`` without a local Spark master.
+        DataError: A column no model can take, or fewer rows than ranks.
+        WorkerFailedError: A rank failed; the others were stopped.
+    """
+    from hvd_spark.runner.local import local_launcher
+
+    if df is None:
+        return local_launcher.run_local(fn, args, kwargs, num_proc, env, stdout, stderr)
+    import shutil
+    import tempfile
+
+    from hvd_spark.data.shares import write_local_shares
+
+    sc = spark_launcher.cluster_context(spark_launcher.active_session())
+    if not sc.master.startswith("local"):
+        raise ConfigError(
+            f"run_local(df=...) writes the shares where this machine's ranks read them, so its "
+            f"Spark master must be local, not {sc.master!r}: use hvd_spark.run(fn, df=df) to "
+            "train on the cluster's executors")
+    num_proc = num_proc if num_proc is not None else spark_launcher.task_slots(sc)
+    directory = tempfile.mkdtemp(prefix="hvd_spark-shares-")
+    try:
+        shares = write_local_shares(df, num_proc, directory)
+        mlflow_inputs.log_dataframe_input(df)
+        least = str(min(rows for _, rows in shares))
+        rank_envs = [{_env.SHARE_PATH: path, _env.SHARE_MIN_ROWS: least} for path, _ in shares]
+        return local_launcher.run_local(fn, args, kwargs, num_proc, env, stdout, stderr,
+                                        rank_envs=rank_envs)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

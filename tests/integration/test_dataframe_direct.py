@@ -229,6 +229,14 @@ def test_a_tracked_run_logs_its_dataframe_as_an_mlflow_input(spark, mlflow_clien
     assert {t.key: t.value for t in logged.tags}["mlflow.data.context"] == "training"
 
 
+def test_run_local_reads_shares_a_local_spark_job_wrote(spark) -> None:
+    results = hvd_spark.run_local(_read_epochs(), args=(4, 2), num_proc=3, df=_frame(spark, 50),
+                                  stdout=io.StringIO())
+    _check_shares(results, 50, 4)  # the shares' directory is gone too
+    assert len({os.path.dirname(r["path"]) for r in results}) == 1
+    assert not os.path.exists(os.path.dirname(results[0]["path"]))
+
+
 # Last: the local-cluster session replaces the module's local[2] one.
 def test_shares_on_two_executors_of_a_local_cluster(spark_cluster) -> None:
     results = hvd_spark.run(_read_epochs(), args=(5, 2), num_proc=2,

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import cloudpickle
@@ -78,7 +78,8 @@ class LocalJob(Launcher):
             one need an address they can reach, e.g. "0.0.0.0").
     """
 
-    def __init__(self, config: RunConfig, bind_host: str = "127.0.0.1") -> None:
+    def __init__(self, config: RunConfig, bind_host: str = "127.0.0.1",
+                 rank_envs: Sequence[Mapping[str, str]] | None = None) -> None:
         if config.num_proc is None:
             raise ConfigError("num_proc must be a positive integer, got None")
         self.num_proc = config.num_proc
@@ -90,6 +91,7 @@ class LocalJob(Launcher):
         self.store = StoreServer(self.secret, bind_host, {
             worker.REPORT: self._on_report, BEAT: self.heartbeats.beat})
         self._env = dict(config.env)
+        self._rank_envs = [dict(e) for e in rank_envs or ()]
         self._output = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr,
                                        timestamps=config.prefix_output_with_timestamp,
                                        tee=config.on_output)
@@ -119,7 +121,8 @@ class LocalJob(Launcher):
         command = WORKER_COMMAND if command is None else command
         master_port = torch_world.free_port("127.0.0.1")
         for rank in range(self.num_proc):
-            env = {**os.environ, **self._env, **rank_env(
+            own = self._rank_envs[rank] if rank < len(self._rank_envs) else {}
+            env = {**os.environ, **self._env, **own, **rank_env(
                 rank, self.num_proc, self.store.port, self.secret, self.timeouts.heartbeat_s,
                 master_port, self.run_id)}
             # SIGTERM if the launcher dies: the rank may still flush its output.
@@ -260,6 +263,7 @@ def run_local(
     env: dict[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    rank_envs: Sequence[Mapping[str, str]] | None = None,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` local ranks; results in rank order.
 
@@ -272,6 +276,7 @@ def run_local(
         env: Extra environment variables for the ranks.
         stdout: Stream receiving the ranks' stdout, each line prefixed ``[rank]``.
         stderr: Stream receiving the ranks' stderr, each line prefixed ``[rank]``.
+        rank_envs: Variables for one rank each (index = rank), beside ``env``.
 
     Raises:
         WorkerFailedError: A rank failed; the others were stopped.
@@ -280,7 +285,7 @@ def run_local(
     num_proc = num_proc if num_proc is not None else (os.cpu_count() or 1)
     payload = worker.pickle_job(fn, args, kwargs)
     config = local_config(num_proc=num_proc, env=env, stdout=stdout, stderr=stderr)
-    with LocalJob(config) as job:
+    with LocalJob(config, rank_envs=rank_envs) as job:
         return [cloudpickle.loads(result) for result in job.run(payload)]
 
 
