@@ -71,17 +71,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      "size")
     if args.elastic:
         try:
-            args.settings = ElasticConfig.of(
-                num_proc=args.num_proc,
-                min_np=args.min_np if args.min_np is not None else args.num_proc,
-                max_np=args.max_np if args.max_np is not None else args.num_proc,
+            args.settings = ElasticConfig.from_kwargs(
+                args.num_proc, args.min_np, args.max_np,
                 start_timeout=args.config.timeouts.start_timeout,
-                elastic_timeout=args.elastic_timeout or 600.0,
-                reset_limit=args.reset_limit,
-                heartbeat_s=args.config.timeouts.heartbeat_s)
+                elastic_timeout=args.elastic_timeout, reset_limit=args.reset_limit)
         except ConfigError as exc:
             parser.error(str(exc).replace("min_np", "--min-np").replace("max_np", "--max-np")
-                         .replace("num_proc", "-np"))
+                         .replace("num_proc", "-np").replace("elastic_timeout",
+                                                             "--elastic-timeout"))
     return args
 
 

@@ -196,6 +196,32 @@ class ElasticConfig:
                             heartbeat_s=heartbeat_s)
         return dataclasses.replace(sizes, timeouts=timeouts)
 
+    @classmethod
+    def from_kwargs(cls, num_proc: int, min_np: int | None = None, max_np: int | None = None,
+                    start_timeout: float | None = None, elastic_timeout: float | None = None,
+                    reset_limit: int | None = None,
+                    env: Mapping[str, str] | None = None) -> ElasticConfig:
+        """Build from ``run_elastic``'s keyword arguments, None meaning "not given".
+
+        ``min_np``/``max_np`` default to ``num_proc``; ``start_timeout`` to
+        ``HVD_SPARK_START_TIMEOUT``, ``elastic_timeout`` to ``HVD_SPARK_ELASTIC_TIMEOUT``
+        (else 600 s each); the heartbeat limit to the job's ``env``, else the driver's. A
+        given 0 is an error, never the default.
+
+        Raises:
+            ConfigError: Naming the bad argument.
+        """
+        if start_timeout is None:
+            start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+        if elastic_timeout is None:
+            elastic_timeout = _env.get_float(_env.ELASTIC_TIMEOUT, DEFAULT_ELASTIC_TIMEOUT_S)
+        return cls.of(num_proc=num_proc,
+                      min_np=num_proc if min_np is None else min_np,
+                      max_np=num_proc if max_np is None else max_np,
+                      start_timeout=_seconds(start_timeout, "start_timeout"),
+                      elastic_timeout=_seconds(elastic_timeout, "elastic_timeout"),
+                      reset_limit=reset_limit, heartbeat_s=heartbeat_limit(env or {}))
+
     @property
     def start_timeout(self) -> float:
         """Seconds the first generation waits for ``num_proc`` workers."""

@@ -59,3 +59,19 @@ def test_elastic_config_reads_its_deadlines_from_its_timeouts():
     assert config.timeouts == Timeouts(start_timeout=9, elastic_timeout=8, heartbeat_s=0)
     with pytest.raises(ConfigError, match="min_np <= num_proc <= max_np"):
         ElasticConfig.of(num_proc=4, min_np=1, max_np=3)
+
+
+def test_elastic_deadlines_given_as_zero_are_errors_not_the_default(monkeypatch) -> None:
+    from hvd_spark.errors import ConfigError
+    from hvd_spark.runner.elastic.elastic_local import run_elastic_local
+    from hvd_spark.runner.run_config import ElasticConfig
+
+    for name in ("start_timeout", "elastic_timeout"):
+        with pytest.raises(ConfigError, match=f"{name} must be positive seconds, got 0"):
+            ElasticConfig.from_kwargs(2, **{name: 0})
+    with pytest.raises(ConfigError, match="start_timeout must be positive"):
+        run_elastic_local(lambda: 0, num_proc=2, start_timeout=0)  # before anything starts
+    monkeypatch.setenv("HVD_SPARK_ELASTIC_TIMEOUT", "42")
+    settings = ElasticConfig.from_kwargs(3, min_np=2)
+    assert (settings.min_np, settings.max_np, settings.elastic_timeout) == (2, 3, 42.0)
+    assert ElasticConfig.from_kwargs(3, elastic_timeout=7).elastic_timeout == 7.0

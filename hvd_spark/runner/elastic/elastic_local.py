@@ -237,12 +237,8 @@ def run_elastic_local(
     ``fn`` should use ``hvd.elastic.run`` and a ``State`` to survive lost workers.
     """
     num_proc = num_proc if num_proc is not None else (os.cpu_count() or 1)
-    settings = ElasticConfig.of(
-        num_proc=num_proc, min_np=min_np or num_proc, max_np=max_np or num_proc,
-        start_timeout=start_timeout or 600.0, elastic_timeout=elastic_timeout or 600.0,
-        reset_limit=reset_limit,
-        heartbeat_s=_env.get_float(_env.HEARTBEAT, 10.0),
-    )
+    settings = ElasticConfig.from_kwargs(num_proc, min_np, max_np, start_timeout,
+                                         elastic_timeout, reset_limit, env)
     payload = worker.pickle_job(fn, args, kwargs)
     command = list(WORKER_COMMAND)
     with ElasticLocalJob(settings, command, env, cooldown, stdout, stderr) as job:

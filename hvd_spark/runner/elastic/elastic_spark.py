@@ -236,13 +236,11 @@ def run_elastic(
     spark = spark_launcher.active_session()
     sc = spark_launcher.cluster_context(spark)
     num_proc = spark_launcher.task_slots(sc) if num_proc is None else num_proc
-    min_np = min_np if min_np is not None else (min_num_proc or num_proc)
-    max_np = max_np if max_np is not None else (max_num_proc or num_proc)
-    settings = ElasticConfig.of(
-        num_proc=num_proc, min_np=min_np, max_np=max_np,
-        start_timeout=start_timeout or _env.get_float(_env.START_TIMEOUT, 600.0),
-        elastic_timeout=elastic_timeout or _env.get_float(_env.ELASTIC_TIMEOUT, 600.0),
-        reset_limit=reset_limit, heartbeat_s=_env.get_float(_env.HEARTBEAT, 10.0))
+    min_np = min_np if min_np is not None else min_num_proc  # Horovod's older names
+    max_np = max_np if max_np is not None else max_num_proc
+    settings = ElasticConfig.from_kwargs(num_proc, min_np, max_np, start_timeout,
+                                         elastic_timeout, reset_limit, env)
+    min_np = settings.min_np
     slots = spark_launcher.task_slots(sc)
     if slots < min_np:
         raise ConfigError(
