@@ -32,19 +32,15 @@ from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor, hearing_grace
 from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.output import OutputForwarder
-from hvd_spark.runner.run_config import DEFAULT_HEARTBEAT_S, RunConfig, Timeouts
+from hvd_spark.runner.run_config import RunConfig, Timeouts, heartbeat_limit
 from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
-_TEARDOWN_GRACE_S = 3.0
 # After a rank failed, how long the others may take to notice (its sockets closed) and
 # report why, before the launcher stops them: each survivor's error then names the rank.
 _NOTICE_S = 1.0
 _HOST = "localhost"
 
 
-def heartbeat_limit() -> float:
-    """Seconds of silence after which a rank counts as lost (HVD_SPARK_HEARTBEAT_S)."""
-    return _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
 
 
 def rank_env(rank: int, size: int, store_port: int, secret: bytes,
@@ -52,8 +48,9 @@ def rank_env(rank: int, size: int, store_port: int, secret: bytes,
              run_id: str = "none") -> dict[str, str]:
     """The variables of one local rank: ours, and Horovod's and torch's names for them.
 
-    ``heartbeat_s`` defaults to ``heartbeat_limit()``; with ``master_port`` (a port free
-    on this host) the rank also gets torchrun's world (``torch_world``) under ``run_id``.
+    ``heartbeat_s`` defaults to this process's limit (``heartbeat_limit({})``); with
+    ``master_port`` (a port free on this host) the rank also gets torchrun's world under
+    ``run_id``.
     """
     world = {} if master_port is None else _env.torchrun_variables(
         rank=rank, size=size, node_rank=0, num_nodes=1, run_id=run_id,
@@ -63,7 +60,7 @@ def rank_env(rank: int, size: int, store_port: int, secret: bytes,
         **world,
         _env.RENDEZVOUS_ADDR: f"127.0.0.1:{store_port}",
         _env.SECRET: secret.hex(),
-        _env.HEARTBEAT: str(heartbeat_limit() if heartbeat_s is None else heartbeat_s),
+        _env.HEARTBEAT: str(heartbeat_limit({}) if heartbeat_s is None else heartbeat_s),
         "PYTHONUNBUFFERED": "1",
     }
 
@@ -156,7 +153,8 @@ class LocalJob(Launcher):
                 kind, rank, a, b, when = self._events.get(timeout=0.5)
             except queue.Empty:
                 kind = ""
-                if torn_down_at is not None and time.time() - torn_down_at > _TEARDOWN_GRACE_S:
+                if (torn_down_at is not None
+                        and time.time() - torn_down_at > self.timeouts.stop_grace):
                     self._escalated = True
                     self._signal_all(signal.SIGKILL)
             if kind == "silent":
@@ -291,8 +289,8 @@ def run_local(
 
 def local_config(**kwargs: Any) -> RunConfig:
     """A ``RunConfig`` for ranks on this machine: the heartbeat limit is
-    ``heartbeat_limit()`` (this process's ``HVD_SPARK_HEARTBEAT_S``, else 10 s)."""
-    return RunConfig(timeouts=Timeouts(heartbeat_s=heartbeat_limit()), **kwargs)
+    ``heartbeat_limit({})`` (this process's ``HVD_SPARK_HEARTBEAT_S``, else 10 s)."""
+    return RunConfig(timeouts=Timeouts(heartbeat_s=heartbeat_limit({})), **kwargs)
 
 
 def run_command(command: Sequence[str], config: RunConfig) -> list[WorkerFailure]:

@@ -85,7 +85,7 @@ class SshJob(LocalJob):
         env: Extra variables for every rank.
         ssh_port, ssh_identity: Passed to ssh for every remote host.
         stdout, stderr: Streams receiving the ranks' prefixed output lines.
-        timeouts: The heartbeat limit and stop grace (default: ``heartbeat_limit()``).
+        timeouts: The heartbeat limit and stop grace (default: ``heartbeat_limit({})``).
     """
 
     def __init__(self, placement: list[RankInfo], env: dict[str, str] | None = None,
