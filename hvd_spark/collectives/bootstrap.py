@@ -106,14 +106,17 @@ def _start_engine(world: WorldInfo, config: EngineConfig, factory: registry.Fact
         # No launcher: a one-rank job, as Horovod gives a plain `python train.py`.
         engine = Engine(world.rank, world.size, factory(world, config, {}), {}, config)
         return engine, {0: world.hostname}
-    start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+    start_timeout = connect_timeout = _env.get_float(_env.START_TIMEOUT,
+                                                     DEFAULT_START_TIMEOUT_S)
     if membership.is_elastic():
         # Members of a new generation are all alive and waiting: a ring that does
         # not form quickly lost a member, and the next generation will do better.
-        start_timeout = min(start_timeout, membership.MESH_TIMEOUT_S)
+        start_timeout = connect_timeout = min(start_timeout, membership.MESH_TIMEOUT_S)
     else:
         # Peers may still be importing their framework, which the start timeout does not
-        # count (as in Horovod): wait for them as long as a collective waits for its peers.
+        # count (as in Horovod): wait for their addresses as long as a collective waits
+        # for its peers. Once all are known, every peer listens: dialling them keeps the
+        # start timeout, so an unreachable address (a wrong interface) fails in time.
         start_timeout = max(start_timeout, config.timeout)
     addr = wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR)
     store = StoreClient(addr, world.secret, start_timeout)
@@ -121,6 +124,7 @@ def _start_engine(world: WorldInfo, config: EngineConfig, factory: registry.Fact
         mesh = build_mesh(
             world.rank, world.size, store, world.secret, world.hostname,
             world.advertise_addr, start_timeout, epoch, local_sockets=config.use_shm,
+            connect_timeout=connect_timeout,
         )
     finally:
         store.close()

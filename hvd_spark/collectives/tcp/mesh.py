@@ -175,6 +175,7 @@ def build_mesh(
     timeout: float,
     epoch: int = 0,
     local_sockets: bool = True,
+    connect_timeout: float | None = None,
 ) -> Mesh:
     """Form the full mesh for this rank; blocks until all its sockets are connected.
 
@@ -184,10 +185,14 @@ def build_mesh(
         secret: Job secret for every handshake.
         hostname: Reported to peers to group ranks by host.
         advertise_addr: Address peers dial; empty: our address as the store sees it.
-        timeout: Seconds to wait for all peers.
+        timeout: Seconds to wait for every peer to publish its address (a peer may still
+            be starting), and the default of ``connect_timeout``.
         epoch: Distinguishes repeated ``init()`` calls in one job.
         local_sockets: Ranks on this host connect through Unix sockets (False: loopback
             TCP, as with shared memory off, so a run measures what crosses hosts).
+        connect_timeout: Seconds for the connections once every address is known: every
+            peer is up and listening by then, so an address that cannot be dialled within
+            it is unreachable (a wrong interface), not slow.
     """
     addr = advertise_addr or store.local_address
     backlog = max(16, 2 * size)  # every other rank may dial at once, twice (data, control)
@@ -198,11 +203,11 @@ def build_mesh(
     if rank == 0:
         expected |= {(CONTROL, r) for r in range(1, size)}
     acceptor = _Acceptor([listener] + ([unix] if unix is not None else []), secret, expected)
-    deadline = time.monotonic() + timeout
     try:
         store.set(f"mesh/{epoch}/{rank}",
                   (addr, listener.getsockname()[1], hostname, unix_name))
         peers = {r: store.get(f"mesh/{epoch}/{r}", timeout) for r in range(size) if r != rank}
+        deadline = time.monotonic() + (timeout if connect_timeout is None else connect_timeout)
         data: dict[int, socket.socket] = {}
         control: dict[int, socket.socket] = {}
         dials = [(DATA, r) for r in range(rank)] + ([(CONTROL, 0)] if rank > 0 else [])
