@@ -63,6 +63,8 @@ def _train(next_epoch: Callable[[], object], started: float, epochs: int,
 
 
 def _store_fn(converter, started: float, epochs: int, features: int) -> dict:
+    import hvd_spark.torch  # noqa: F401 - registers the converter's torch loader
+
     with converter.make_torch_dataloader(batch_size=BATCH, num_epochs=1) as loader:
         return _train(lambda: loader, started, epochs, features)
 
