@@ -48,6 +48,7 @@ class RankShare:
         self.table = pa.ipc.open_file(source).read_all()  # mapped, not copied
         self.min_rows = int(min_rows)
         self.rank = rank
+        self._views: dict[str, tuple[np.ndarray, list[np.ndarray]]] | None = None
 
     @classmethod
     def current(cls) -> RankShare:
@@ -111,15 +112,44 @@ class RankShare:
         else:
             order = np.arange(used)
         dtype = None if float_dtype is None else np.dtype(float_dtype)
+        columns = self._chunk_views()
         for start in range(0, used, batch_size):
-            rows = self.table.take(order[start:start + batch_size])
-            yield {name: _to_numpy(rows.column(name), dtype) for name in self.columns}
+            rows = order[start:start + batch_size]
+            yield {name: _gather(starts, views, rows, dtype)
+                   for name, (starts, views) in columns.items()}
+
+    def _chunk_views(self) -> dict[str, tuple[np.ndarray, list[np.ndarray]]]:
+        """Each column as numpy views of its record batches (zero-copy from the mapped file
+        where Arrow allows), with each batch's first row: a batch is then gathered with
+        numpy's indexing, a copy of its rows only (Arrow's ``take`` on a chunked, mapped
+        table was 7x slower than the Store path at 1M rows x 100 floats)."""
+        if self._views is None:
+            self._views = {}
+            for name in self.columns:
+                chunks = self.table.column(name).chunks
+                sizes = [len(c) for c in chunks]
+                starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+                self._views[name] = (starts, [_to_numpy(c, None) for c in chunks])
+        return self._views
 
 
 def _check_batch_size(batch_size: Any) -> None:
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
             or batch_size < 1:
         raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+
+def _gather(starts: np.ndarray, views: list[np.ndarray], rows: np.ndarray,
+            float_dtype: np.dtype | None) -> np.ndarray:
+    """The ``rows`` (indices into the whole share) of one column, in that order."""
+    chunk = np.searchsorted(starts, rows, side="right") - 1
+    local = rows - starts[chunk]
+    first = next((v for v in views if len(v)), views[0])  # an empty batch has no width
+    out = np.empty((len(rows), *first.shape[1:]), dtype=first.dtype)
+    for c in np.unique(chunk):
+        hit = chunk == c
+        out[hit] = views[c][local[hit]]
+    return out.astype(target_dtype(out.dtype, float_dtype), copy=False)
 
 
 def _to_numpy(column: Any, float_dtype: np.dtype | None) -> np.ndarray:
