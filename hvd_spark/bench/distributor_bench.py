@@ -52,6 +52,20 @@ def _steps(step: Callable[[], None], steps: int) -> float:
     return statistics.median(times)
 
 
+def _train_steps(model, opt, steps: int) -> float:
+    """Median seconds of a training step of ``model`` on one fixed random batch."""
+    import torch
+
+    x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return _steps(step, steps)
+
+
 def ddp_steps(steps: int) -> float:
     """Median seconds of a DDP step on this rank (a torchrun-style function)."""
     import torch
@@ -62,14 +76,7 @@ def ddp_steps(steps: int) -> float:
     try:
         model = torch.nn.parallel.DistributedDataParallel(_conv_net())
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
-
-        def step() -> None:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-
-        return _steps(step, steps)
+        return _train_steps(model, opt, steps)
     finally:
         dist.destroy_process_group()
 
@@ -87,14 +94,7 @@ def horovod_steps(steps: int) -> float:
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        x, y = torch.randn(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
-
-        def step() -> None:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-
-        return _steps(step, steps)
+        return _train_steps(model, opt, steps)
     finally:
         hvd.shutdown()
 
