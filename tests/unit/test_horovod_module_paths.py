@@ -37,13 +37,11 @@ class Case:
         module: The hvd_spark module that holds its names.
         names: What the statement brings in (``from ... import``) or what code uses on the
             module it binds (``import ... as hvd``).
-        alias_gap: Why the compat alias cannot run the statement yet (None: it can).
     """
 
     statement: str
     module: str
     names: tuple[str, ...]
-    alias_gap: str | None = None
 
 
 CASES = [
@@ -143,12 +141,7 @@ def alias_report() -> dict[str, dict]:
     return json.loads(lines[-1][len(_MARK):])
 
 
-def _alias_params() -> list:
-    return [pytest.param(c, id=_case_id(c), marks=[pytest.mark.xfail(
-        strict=True, reason=c.alias_gap)] if c.alias_gap else []) for c in CASES]
-
-
-@pytest.mark.parametrize("case", _alias_params())
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_horovod_statement_works_through_the_compat_alias(case: Case, alias_report) -> None:
     result = alias_report[case.statement]
     assert result["ok"], f"`{case.statement}` through the alias: {result['error']}"
