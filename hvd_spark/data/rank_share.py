@@ -111,12 +111,21 @@ class RankShare:
             order = rng.permutation(self.num_rows)[:used]
         else:
             order = np.arange(used)
-        dtype = None if float_dtype is None else np.dtype(float_dtype)
-        columns = self._chunk_views()
         for start in range(0, used, batch_size):
-            rows = order[start:start + batch_size]
-            yield {name: _gather(starts, views, rows, dtype)
-                   for name, (starts, views) in columns.items()}
+            yield self.take(order[start:start + batch_size], float_dtype=float_dtype)
+
+    def take(self, rows: np.ndarray, columns: list[str] | None = None,
+             float_dtype: Any = np.float32) -> dict[str, np.ndarray]:
+        """The ``rows`` (indices into this share) of ``columns`` (default all), in that order.
+
+        Args:
+            rows: Row indices.
+            columns: Which columns.
+            float_dtype: dtype of floating-point columns; None keeps them as written.
+        """
+        dtype = None if float_dtype is None else np.dtype(float_dtype)
+        views = self._chunk_views()
+        return {name: _gather(*views[name], rows, dtype) for name in (columns or self.columns)}
 
     def _chunk_views(self) -> dict[str, tuple[np.ndarray, list[np.ndarray]]]:
         """Each column as numpy views of its record batches (zero-copy from the mapped file

@@ -3,7 +3,7 @@
 The Estimators' dry run (``hvd_spark.estimator.dry_run``) feeds such a batch to the model
 on the driver. It goes through the writer's own column selection and conversion (ML
 Vectors to float32 arrays, arrays and scalars keeping their element type, see
-``writer.column_specs`` and ``writer.select_columns``) and then through the Parquet layout's
+``inspection.column_specs`` and ``inspection.select_columns``) and then through the Parquet layout's
 packing and the reader's unpacking, so dtypes and shapes equal what a rank gets.
 """
 
@@ -61,14 +61,14 @@ def sample_rows(df: Any, columns: Sequence[str], rows: int = 8) -> Sample | None
         DataError: A column is missing or of a type that cannot be stored (the writer's
             own schema check, which needs no Spark job).
     """
-    from hvd_spark.data import writer
+    from hvd_spark.data import inspection
 
     names = list(dict.fromkeys(columns))
-    specs = writer.column_specs(df, names, None)
-    selected, _ = writer.select_columns(df, specs, None, 0)
+    specs = inspection.column_specs(df, names, None)
+    selected, _ = inspection.select_columns(df, specs, None, 0)
     # take(), not toArrow(): for a handful of rows it is about half the time (no Arrow
     # stream set up), and these rows become Arrow columns of the stored types right here.
-    found = selected.drop(writer.IS_VAL).take(rows)
+    found = selected.drop(inspection.IS_VAL).take(rows)
     if not found:
         return None
     arrays, shaped = [], []

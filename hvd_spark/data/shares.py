@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from hvd_spark.data.writer import column_specs
+from hvd_spark.data.inspection import column_specs
 from hvd_spark.errors import ConfigError, DataError
 
 

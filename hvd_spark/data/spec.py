@@ -14,6 +14,9 @@ from typing import Any
 from hvd_spark.errors import ConfigError
 
 SPEC_VERSION = 1
+#: The boolean column that marks a validation row, in the rows that go to the ranks (the
+#: writer's input, the direct path's shares).
+IS_VAL = "__hvd_spark_is_val"
 SPLITS = ("train", "val")
 
 

@@ -1,4 +1,8 @@
-"""What every estimator shares: fit = check -> write data -> run the workers -> Model.
+"""What every estimator shares: fit = check -> data to the ranks -> run the workers -> Model.
+
+The data reach the ranks one of two ways: written to the Store first (``store_data``,
+when ``store`` is set: checkpoints and resumption), or handed over by the ranks' own
+Spark tasks (``direct_data``, without a Store).
 
 A framework adapter (torch.py, keras.py) supplies what to ship (the serialized
 model), the worker function that trains, and how a Model predicts. Frameworks are
@@ -11,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import posixpath
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -23,7 +26,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 from hvd_spark.data.spec import DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError
-from hvd_spark.estimator import devices, recovery, tracking, transform, tuning
+from hvd_spark.estimator import devices, direct_data, recovery, tracking, transform, tuning
 from hvd_spark.estimator.learning_rate import PARAM as LR_PARAM
 from hvd_spark.estimator.params import SHARED_PARAMS, KeywordParams, define_params
 from hvd_spark.estimator.persistence import PickledReader, PickledWriter
@@ -215,30 +218,25 @@ class HvdEstimator(tuning.SharedStoreFit, tracking.TrackedFit, Estimator, Keywor
             return self._fit_df(df)
 
     def _fit_df(self, df):
-        from hvd_spark.data import writer
-        from hvd_spark.estimator import dry_run
+        from hvd_spark.estimator import dry_run, store_data
 
         self._check_params()
         backend = self._backend()
-        store = self._store()
+        direct = self.value("store") is None  # the direct path: no Store, nothing written
+        if direct:
+            direct_data.check_backend(backend)
+        store = None if direct else self._store()
         payload = self._checked_payload()
         _check_slots(backend)
-        _check_writable(store)
-        dry_run.check(self, df)  # the model on a few rows, before any data is written
-        seed = self.value("random_seed")
-        dataset = writer.write_dataset(
-            df, store,
-            feature_cols=self.value("feature_cols"),
-            label_cols=self.value("label_cols"),
-            sample_weight_col=self.value("sample_weight_col"),
-            validation=self.value("validation"),
-            num_proc=backend.num_processes(),
-            batch_size=self.value("batch_size"),
-            val_batch_size=self.value("val_batch_size"),
-            partitions_per_process=self.value("partitions_per_process"),
-            seed=0 if seed is None else seed,
-        )
-        return self._fit_on_dataset(dataset, store, payload)
+        if store is not None:
+            store_data.check_writable(store)
+        dry_run.check(self, df)  # the model on a few rows, before any data moves
+        if direct:
+            dataset, rows = direct_data.prepare(self, df, backend.num_processes())
+            direct_data.warn_once()
+            return self._fit_on_dataset(dataset, None, payload, rows, df)
+        dataset = store_data.prepare(self, df, store, backend.num_processes())
+        return self._fit_on_dataset(dataset, store, payload, source=df)
 
     def _checked_payload(self) -> Any:
         """The payload, or a ConfigError naming the parameter that cannot be shipped."""
@@ -283,7 +281,9 @@ class HvdEstimator(tuning.SharedStoreFit, tracking.TrackedFit, Estimator, Keywor
     def _fit_stored(self, dataset_idx: Any) -> HvdModel:
         self._check_params()
         store = self._store()
-        dataset = _stored_dataset(store, dataset_idx, self.value("feature_cols"),
+        from hvd_spark.estimator.store_data import stored_dataset
+
+        dataset = stored_dataset(store, dataset_idx, self.value("feature_cols"),
                                   self.value("label_cols"), self.value("sample_weight_col"))
         wanted = [*self.value("feature_cols"), *self.value("label_cols")]
         if self.value("sample_weight_col"):
@@ -299,12 +299,14 @@ class HvdEstimator(tuning.SharedStoreFit, tracking.TrackedFit, Estimator, Keywor
             sample_weight_col=self.value("sample_weight_col"))
         return self._fit_on_dataset(dataset, store)
 
-    def _fit_on_dataset(self, dataset: DatasetSpec, store: Store,
-                        payload: Any = None) -> HvdModel:
+    def _fit_on_dataset(self, dataset: DatasetSpec, store: Store | None, payload: Any = None,
+                        rows: Any = None, source: Any = None) -> HvdModel:
+        """Train on ``dataset``: the Store's shards, or with ``store`` None the DataFrame
+        ``rows`` handed to the ranks (``direct_data``); ``source``: the user's DataFrame."""
         self._check_dataset(dataset)
         # A generated id is not stored on the estimator: fitting it again starts afresh.
         run_id = self.value("run_id") or f"run_{uuid.uuid4().hex[:12]}"
-        start_epoch = self._resume_epoch(store, run_id)
+        start_epoch = self._resume_epoch(store, run_id) if store is not None else 0
         seed = self.value("random_seed")
         threads = (self.value("train_reader_num_workers"), self.value("val_reader_num_workers"))
         spec = TrainSpec(
@@ -328,10 +330,12 @@ class HvdEstimator(tuning.SharedStoreFit, tracking.TrackedFit, Estimator, Keywor
             extra=self._extra(),
             checkpoint_every_steps=self.value("checkpoint_every_steps"),
         )
-        record = RunRecord(store, run_id, spec.epochs, self.value("verbose"),
+        logs = store if store is not None else direct_data.logs_store()
+        record = RunRecord(logs, run_id, spec.epochs, self.value("verbose"),
                            on_epoch=tracking.epoch_hook())  # MLflow, when tracked
         backend = self._backend(record)
-        tracking.fit_started(run_id, store, dataset, backend.num_processes())
+        tracking.fit_started(run_id, logs, dataset, backend.num_processes(), source,
+                             direct=store is None)
         note = self._learning_rate_note(backend.num_processes())
         if note:
             log.info("%s", note)
@@ -342,7 +346,8 @@ class HvdEstimator(tuning.SharedStoreFit, tracking.TrackedFit, Estimator, Keywor
             # Each rank's result says whether it saw a GPU: the driver warns if none did.
             worker = functools.partial(devices.run_reporting, self._worker())
             reports = recovery.run_with_retries(backend, worker, spec, payload,
-                                                self._worker_env(), self.value("max_retries"))
+                                                self._worker_env(), self.value("max_retries"),
+                                                rows)
         finally:
             record.close()
             tracking.fit_ran()
@@ -454,38 +459,6 @@ def _check_slots(backend: Backend) -> None:
         )
 
         check_cluster(cluster_context(active_session()), backend.num_processes())
-
-
-def _check_writable(store: Store) -> None:
-    """Write and remove a probe file, so an unwritable store fails before Spark does."""
-    probe = store.path(f".hvd_spark_write_probe_{uuid.uuid4().hex[:12]}")
-    fs = store.filesystem
-    try:
-        fs.create_dir(posixpath.dirname(probe), recursive=True)
-        with fs.open_output_stream(probe) as out:
-            out.write(b"ok")
-        fs.delete_file(probe)
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError and ArrowException kinds
-        raise ConfigError(
-            f"store {store.url}: cannot write there ({type(exc).__name__}: {exc}); give a "
-            "store path that the driver and every executor can write to") from exc
-
-
-def _stored_dataset(store: Store, dataset_idx: Any, feature_cols: list[str],
-                    label_cols: list[str], sample_weight_col: str | None) -> DatasetSpec:
-    """The DatasetSpec of ``fit_on_parquet``'s ``dataset_idx`` (see there)."""
-    from hvd_spark.data import dataset_index, writer
-    from hvd_spark.data.parquet_spec import spec_from_parquet
-
-    if isinstance(dataset_idx, DatasetSpec):
-        return dataset_idx
-    if dataset_idx is not None:
-        return dataset_index.load_dataset_spec(store, dataset_idx)
-    path = posixpath.join(store.get_train_data_path(), writer.DATASET_SPEC_FILE)
-    if store.exists(path):
-        return DatasetSpec.from_json(store.read_bytes(path))
-    # Parquet files the user wrote to the store's train (and val) path, as in Horovod.
-    return spec_from_parquet(store, feature_cols, label_cols, sample_weight_col)
 
 
 def define(cls: type, extra_specs: list, base: list | None = None) -> type:

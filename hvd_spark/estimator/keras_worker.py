@@ -154,7 +154,8 @@ def place_keras(use_gpu: bool, local_rank: int, tf: Any) -> None:
 
 def _user_callbacks(keras, payload: dict, rank: int, spec: TrainSpec, workdir: str) -> list:
     """The user's callbacks for this rank: TensorBoard on rank 0 only, writing to a local
-    directory uploaded to the store's logs path after every epoch; the checkpoint
+    directory uploaded to the store's logs path after every epoch (without a Store, to
+    its own ``log_dir`` on rank 0's host); the checkpoint
     callback on rank 0, writing to a local file."""
     out = []
     tensorboard = False
@@ -162,8 +163,9 @@ def _user_callbacks(keras, payload: dict, rank: int, spec: TrainSpec, workdir: s
         if isinstance(cb, keras.callbacks.TensorBoard):
             if rank != 0:
                 continue  # one writer per run, as in Horovod
-            cb.log_dir = os.path.join(workdir, "logs")
-            tensorboard = True
+            if spec.store is not None:  # else it writes to its own log_dir, on rank 0's host
+                cb.log_dir = os.path.join(workdir, "logs")
+                tensorboard = True
         out.append(cb)
     ckpt = cloudpickle.loads(payload["checkpoint_callback"])
     if ckpt is not None and rank == 0:
@@ -244,6 +246,7 @@ def train_keras(spec: TrainSpec, payload: dict) -> dict | None:
             history.append(record)
             if hvd.rank() == 0:
                 hist.report(record, spec.epochs, spec.verbose)
+            if hvd.rank() == 0 and spec.store is not None:  # direct path: no checkpoints
                 state = {"weights": self.model.get_weights(), "history": history,
                          "optimizer": _optimizer_state(dist_opt),
                          "learning_rate": rates.user_rate(dist_opt)}

@@ -70,10 +70,13 @@ def _callbacks(pl: Any, spec: TrainSpec, history: list[dict], workdir: str,
                        if getattr(v, "numel", lambda: 1)() == 1}
             record = hist.average_over_ranks({"epoch": trainer.current_epoch + 1, **metrics})
             history.append(record)
+            if hvd.rank() == 0:
+                hist.report(record, spec.epochs, spec.verbose)
+            if spec.store is None:
+                return  # the direct path keeps no checkpoints
             path = os.path.join(workdir, "epoch.ckpt")
             trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes
             if hvd.rank() == 0:
-                hist.report(record, spec.epochs, spec.verbose)
                 with open(path, "rb") as f:
                     spec.store.save_checkpoint(spec.run_id, trainer.current_epoch, f.read())
 
@@ -143,7 +146,9 @@ def train_lightning(spec: TrainSpec, payload: dict) -> dict | None:
                     val_dataloaders=val, ckpt_path=ckpt_path)
         if hvd.rank() != 0:
             return None
-        spec.store.upload_dir(os.path.join(workdir, "logs"), spec.store.logs_path(spec.run_id))
+        if spec.store is not None:
+            spec.store.upload_dir(os.path.join(workdir, "logs"),
+                                  spec.store.logs_path(spec.run_id))
         best = next((cb.best_model_path for cb in trainer.checkpoint_callbacks
                      if getattr(cb, "best_model_path", "")), "")
         if best:  # Horovod returns the best checkpoint's model when there is one

@@ -1,11 +1,12 @@
 """Fit retries: a rank lost with its process or executor resumes from the last checkpoint.
 
 A barrier job cannot lose a task and go on, so the fit runs the job again: on the
-same stored data shards, from the newest epoch or step checkpoint of the run, with
-as many ranks as before once the cluster has the task slots again (Spark's standalone
-and YARN managers replace a lost executor), or with the slots that remain after a
-deadline. Only losses are retried: an exception raised by the training code (a bug,
-a NaN loss, bad data) would fail again, so it ends the fit at once.
+same stored data shards, from the newest epoch or step checkpoint of the run (without a
+Store: on the DataFrame again, from the first epoch), with as many ranks as before once
+the cluster has the task slots again (Spark's standalone and YARN managers replace a
+lost executor), or with the slots that remain after a deadline. Only losses are retried:
+an exception raised by the training code (a bug, a NaN loss, bad data) would fail
+again, so it ends the fit at once.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hvd_spark.errors import WorkerFailedError
-from hvd_spark.estimator.step_checkpoints import resume_point
+from hvd_spark.estimator.step_checkpoints import ResumePoint, resume_point
 from hvd_spark.estimator.train_spec import TrainSpec
+from hvd_spark.runner import mlflow_inputs
 from hvd_spark.runner.backend import Backend, SparkBackend
 
 log = logging.getLogger("hvd_spark.estimator")
@@ -57,16 +59,18 @@ def backend_for_retry(backend: Backend, wanted: int,
 
 
 def run_with_retries(backend: Backend, worker: Callable, spec: TrainSpec, payload: Any,
-                     env: dict[str, str], max_retries: int) -> list:
+                     env: dict[str, str], max_retries: int, rows: Any = None) -> list:
     """Run ``worker(spec, payload)`` on every rank; after a lost rank, resume and go on.
 
     Args:
         backend: Where the ranks run.
         worker: The training function.
-        spec: The run's spec; each attempt starts from the run's newest checkpoint.
+        spec: The run's spec; each attempt starts from the run's newest checkpoint
+            (without a Store, ``spec.store`` None, from the first epoch).
         payload: The serialized model and its companions.
         env: Environment variables of the ranks.
         max_retries: How many times a lost rank may be recovered from (0: never).
+        rows: The DataFrame the ranks' tasks hand over (the direct path), else None.
 
     Returns:
         The ranks' results of the attempt that finished.
@@ -77,12 +81,14 @@ def run_with_retries(backend: Backend, worker: Callable, spec: TrainSpec, payloa
     """
     wanted = backend.num_processes()
     attempt = 0
+    data = {} if rows is None else {"df": rows}
     while True:
-        point = resume_point(spec.store, spec.run_id)
+        point = _resume_point(spec)
         if (point.epoch, point.step) > (spec.start_epoch, spec.start_step):
             spec = dataclasses.replace(spec, start_epoch=point.epoch, start_step=point.step)
         try:
-            return backend.run(worker, args=(spec, payload), env=env)
+            with mlflow_inputs.logged_by_caller():  # the fit logged the user's DataFrame
+                return backend.run(worker, args=(spec, payload), env=env, **data)
         except WorkerFailedError as err:
             if not recoverable(err):
                 raise
@@ -92,7 +98,16 @@ def run_with_retries(backend: Backend, worker: Callable, spec: TrainSpec, payloa
                 raise
             attempt += 1
             backend = backend_for_retry(backend, wanted)
-            point = resume_point(spec.store, spec.run_id)
+            point = _resume_point(spec)
+            where = (point.describe() if spec.store is not None
+                     else "the first epoch (no store: no checkpoint to resume from)")
             log.warning("%s; resuming from %s with %d ranks (retry %d of %d)",
-                        describe_loss(err), point.describe(), backend.num_processes(),
+                        describe_loss(err), where, backend.num_processes(),
                         attempt, max_retries)
+
+
+def _resume_point(spec: TrainSpec) -> ResumePoint:
+    """The run's newest checkpoint; the start without a Store."""
+    if spec.store is None:
+        return ResumePoint(0, 0)
+    return resume_point(spec.store, spec.run_id)

@@ -261,7 +261,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
     def step_checkpoint(epoch: int, steps_done: int, sums: dict) -> None:
         """Every ``checkpoint_every_steps`` (after an optimizer step): the model, the
         optimizer and each rank's running sums and generator state, written by rank 0."""
-        every = spec.checkpoint_every_steps
+        every = spec.checkpoint_every_steps if spec.store is not None else None
         if (not every or steps_done % every or steps_done % spec.backward_passes_per_step
                 or steps_done >= reader.steps_per_epoch):
             return
@@ -331,6 +331,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
         history.append(record)
         if hvd.rank() == 0:
             hist.report(hist.displayed(record, plain), spec.epochs, spec.verbose)
+        if hvd.rank() == 0 and spec.store is not None:  # the direct path keeps no checkpoints
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "optimizer": rates.unscaled_state(),
                         "history": history}, buf)

@@ -118,14 +118,36 @@ class FitRun:
         except Exception:  # noqa: BLE001 - see _warn
             self._warn("log the params")
 
-    def started(self, hvd_run_id: str, store: Any, dataset: Any, num_proc: int) -> None:
-        """The fit's hvd_spark run id, Store and data are known: tags and a few params."""
+    def started(self, hvd_run_id: str, store: Any, dataset: Any, num_proc: int,
+                df: Any = None, direct: bool = False) -> None:
+        """The fit's hvd_spark run id, Store and data are known: tags, a few params, and
+        the training DataFrame ``df`` as the run's input (lineage).
+
+        Args:
+            hvd_run_id: The fit's run id (its checkpoints and logs directory).
+            store: The Store of the logs (on the direct path, a local one for them only).
+            dataset: What the fit trains on.
+            num_proc: Number of ranks.
+            df: The user's training DataFrame, if the fit has one.
+            direct: The ranks read ``df`` from their tasks, with no Store.
+        """
         self._store, self._hvd_run_id, self._dataset = store, hvd_run_id, dataset
+        tags = {"hvd_spark.run_id": hvd_run_id, "hvd_spark.data": "direct" if direct else "store",
+                "hvd_spark.logs": store.url_of(store.logs_path(hvd_run_id))}
+        if not direct:
+            tags["hvd_spark.store"] = store.url
         self.log_params(
             {"num_proc": num_proc, "train_rows": dataset.train.num_rows,
-             "val_rows": dataset.val.num_rows},
-            tags={"hvd_spark.run_id": hvd_run_id, "hvd_spark.store": store.url,
-                  "hvd_spark.logs": store.url_of(store.logs_path(hvd_run_id))})
+             "val_rows": dataset.val.num_rows}, tags=tags)
+        if df is not None:
+            from hvd_spark.runner import mlflow_inputs
+
+            # Validation rows are a split of the same DataFrame, and MLflow keeps one input
+            # per dataset and run: the split is a tag of the training input.
+            validation = dataset.settings.get("validation")
+            tags = {} if validation is None else {"hvd_spark.validation":
+                                                  _describe_split(validation)}
+            mlflow_inputs.log_dataframe_input(df, "training", self.run_id, tags=tags)
 
     def log_epoch(self, epoch: int, metrics: dict[str, Any]) -> None:
         """Rank 0's metrics of one epoch (called on the driver as they arrive)."""
@@ -305,11 +327,20 @@ def epoch_hook() -> Any:
     return None if tracked is None else tracked.log_epoch
 
 
-def fit_started(hvd_run_id: str, store: Any, dataset: Any, num_proc: int) -> None:
-    """Tell the current run (if any) the fit's run id, Store, data and ranks."""
+def fit_started(hvd_run_id: str, store: Any, dataset: Any, num_proc: int, df: Any = None,
+                direct: bool = False) -> None:
+    """Tell the current run (if any) the fit's run id, Store, data and ranks (see
+    ``FitRun.started``)."""
     tracked = current()
     if tracked is not None:
-        tracked.started(hvd_run_id, store, dataset, num_proc)
+        tracked.started(hvd_run_id, store, dataset, num_proc, df, direct)
+
+
+def _describe_split(validation: Any) -> str:
+    """``fraction 0.2`` or ``column is_val``: how the validation rows are chosen."""
+    if isinstance(validation, str):
+        return f"column {validation}"
+    return f"fraction {validation}"
 
 
 def fit_ran() -> None:

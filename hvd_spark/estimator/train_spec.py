@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hvd_spark.data.spec import DatasetSpec
+from hvd_spark.data.spec import IS_VAL, DatasetSpec
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError, DataError
 
@@ -25,8 +25,10 @@ class TrainSpec:
     """Everything a worker needs to train, besides the serialized model.
 
     Attributes:
-        dataset: Where the Parquet shards are and what they hold.
-        store: The Store holding data and checkpoints.
+        dataset: What the rows hold; where the Parquet shards are (Store path).
+        store: The Store holding data and checkpoints; None on the direct path, where
+            each rank reads its share of the DataFrame handed over by its Spark task
+            (``data.rank_share``) and nothing is checkpointed.
         run_id: Checkpoints go to ``<store>/runs/<run_id>/checkpoints``.
         batch_size, val_batch_size: Rows per batch on each rank.
         epochs: Total epochs; training resumes at ``start_epoch``.
@@ -51,7 +53,7 @@ class TrainSpec:
     """
 
     dataset: DatasetSpec
-    store: Store
+    store: Store | None
     run_id: str
     batch_size: int
     val_batch_size: int
@@ -170,6 +172,8 @@ def make_readers(spec: TrainSpec, rank: int, size: int) -> tuple[BatchSource, Ba
     cols = [*ds.feature_cols, *ds.label_cols]
     if ds.sample_weight_col:
         cols.append(ds.sample_weight_col)
+    if spec.store is None:
+        return _share_readers(spec, cols)
     train = ShardReader(ds, rank, size, spec.batch_size, split="train", columns=cols,
                         shuffle=spec.shuffle, seed=spec.seed, steps_per_epoch=spec.train_steps,
                         shuffle_buffer_size=spec.shuffle_buffer_size,
@@ -181,6 +185,32 @@ def make_readers(spec: TrainSpec, rank: int, size: int) -> tuple[BatchSource, Ba
         reader = ShardReader(ds, rank, size, spec.val_batch_size, split="val", columns=cols,
                              shuffle=False, steps_per_epoch=spec.val_steps,
                              num_threads=spec.val_reader_threads)
+        val = BatchSource(reader, spec.transformation_fn, spec.inmemory_cache_all)
+    return source, val
+
+
+def _share_readers(spec: TrainSpec, cols: list[str]) -> tuple[BatchSource, BatchSource | None]:
+    """The direct path's sources: this rank's share of the DataFrame, split by the
+    inspection's validation marker; the ranks agree on each split's smallest share first
+    (one allreduce), so every rank runs the same number of steps."""
+    from hvd_spark.collectives import Min, allreduce
+    from hvd_spark.data.rank_share import RankShare
+    from hvd_spark.data.share_splits import ShareSplitReader, split_rows
+
+    share = RankShare.current()
+    train_rows, val_rows = split_rows(share, IS_VAL)
+    least = allreduce(np.array([len(train_rows), len(val_rows)], dtype=np.int64),
+                      name="hvd_spark.estimator.share_rows", op=Min)
+    train = ShareSplitReader(share, train_rows, int(least[0]), spec.batch_size, split="train",
+                             columns=cols, shuffle=spec.shuffle, seed=spec.seed,
+                             steps_per_epoch=spec.train_steps)
+    source = BatchSource(train, spec.transformation_fn, spec.inmemory_cache_all, spec.shuffle,
+                         spec.seed)
+    val = None
+    if spec.dataset.val.num_rows:
+        reader = ShareSplitReader(share, val_rows, int(least[1]), spec.val_batch_size,
+                                  split="val", columns=cols, shuffle=False, seed=spec.seed,
+                                  steps_per_epoch=spec.val_steps)
         val = BatchSource(reader, spec.transformation_fn, spec.inmemory_cache_all)
     return source, val
 

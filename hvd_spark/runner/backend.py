@@ -81,12 +81,14 @@ class SparkBackend(Backend):
                                 verbose=verbose, start_timeout=start_timeout, use_gpu=use_gpu)
 
     def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None,
-            env: dict[str, str] | None = None) -> list:
+            env: dict[str, str] | None = None, df: Any = None) -> list:
+        """As ``Backend.run``; ``df``: a DataFrame whose partitions the ranks' tasks hand
+        to them (``hvd_spark.run``'s ``df``)."""
         from hvd_spark.runner.api import run
 
         full_env = {**self._env, **(env or {})}
         return run(fn, args=args, kwargs=kwargs, num_proc=self.num_processes(), env=full_env,
-                   **self._run_kwargs)
+                   df=df, **self._run_kwargs)
 
     def num_processes(self) -> int:
         if self._num_proc is None:

@@ -68,7 +68,12 @@ def test_fit_in_a_run_logs_params_metrics_tags_logs_and_a_servable_model(
 
     assert data.tags["hvd_spark.run_id"] == model.getRunId()
     assert data.tags["hvd_spark.estimator"] == "TorchEstimator"
-    assert "store" in data.tags["hvd_spark.store"]
+    assert "store" in data.tags["hvd_spark.store"] and data.tags["hvd_spark.data"] == "store"
+    (logged,) = mlflow_client.get_run(run_id).inputs.dataset_inputs  # the fit's lineage
+    tags = {t.key: t.value for t in logged.tags}
+    assert tags["mlflow.data.context"] == "training"
+    assert tags["hvd_spark.validation"] == "fraction 0.2"
+    assert logged.dataset.source_type == "spark" and logged.dataset.digest
     logs = [f.path for f in mlflow_client.list_artifacts(run_id, "logs")]
     assert any("tfevents" in p for p in logs), logs
 
