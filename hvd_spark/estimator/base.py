@@ -80,7 +80,7 @@ class PickledPersistence(MLWritable, MLReadable):
         pass
 
 
-class HvdEstimator(tuning.SharedStoreFit, tracking.TrackedFit, Estimator, KeywordParams,
+class HvdEstimator(tracking.TrackedFit, Estimator, KeywordParams,
                    PickledPersistence):
     """Base of KerasEstimator and TorchEstimator (not used directly)."""
 

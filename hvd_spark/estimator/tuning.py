@@ -4,9 +4,9 @@
   ``cv_model.bestModel.getEpochs()``, ``getBatchSize()``, ``getLearningRate()``, ... read
   back what won. Not carried (``NOT_CARRIED``): live objects and what the model holds
   under another name (``getModel()`` / ``getOptimizer()`` are the *trained* ones).
-- ``fitMultiple`` gives every param map the same Store, so that their fits share the
-  prepared Parquet data (``hvd_spark.data.writer``: "reusing dataset"), also when no
-  store was given (one temporary directory for all of them).
+- The fits of ``fitMultiple`` with a Store share the prepared Parquet data
+  (``hvd_spark.data.writer``: "reusing dataset"); without one, each fit reads the
+  DataFrame from Spark (``direct_data``: cache it to read it once).
 - Param maps holding Python objects (optimizers, losses, models) save and load with the
   validators: ``param_map_io``, installed on import.
 """
@@ -72,21 +72,3 @@ def rows_per_call(model: Any) -> int:
     """Rows per model call in ``transform``: ``transform_batch_size``, else the training
     ``batch_size``."""
     return model.value("transform_batch_size") or model.value("batch_size")
-
-
-class SharedStoreFit:
-    """``fitMultiple`` whose param maps' fits share one Store (and so the prepared data).
-
-    Mixed in before the tracking ``fitMultiple``. Without a store, each fit would make its
-    own temporary directory and write the same data again.
-    """
-
-    def fitMultiple(self, dataset: Any, paramMaps: Any) -> Any:  # noqa: N802, N803 - Spark ML
-        """Spark ML's ``fitMultiple``: an iterator of ``(index, model)``, one per param map,
-        fitted in the order asked for (``CrossValidator(parallelism=n)`` asks from n threads)."""
-        estimator = self
-        store = self.getParam("store")
-        if self.getOrDefault(store) is None and not any(store in m for m in paramMaps):
-            estimator = self.copy()
-            estimator._store()  # one temporary directory, logged once
-        return super(SharedStoreFit, estimator).fitMultiple(dataset, paramMaps)

@@ -9,6 +9,8 @@ the driver's run.
 
 from __future__ import annotations
 
+import json
+
 import mlflow
 import numpy as np
 import pytest
@@ -73,7 +75,9 @@ def test_fit_in_a_run_logs_params_metrics_tags_logs_and_a_servable_model(
     tags = {t.key: t.value for t in logged.tags}
     assert tags["mlflow.data.context"] == "training"
     assert tags["hvd_spark.validation"] == "fraction 0.2"
-    assert logged.dataset.source_type == "spark" and logged.dataset.digest
+    assert logged.dataset.source_type == "code"  # built by createDataFrame: no table, no files
+    assert logged.dataset.digest
+    assert "features" in {f["name"] for f in json.loads(logged.dataset.schema)["mlflow_colspec"]}
     logs = [f.path for f in mlflow_client.list_artifacts(run_id, "logs")]
     assert any("tfevents" in p for p in logs), logs
 
