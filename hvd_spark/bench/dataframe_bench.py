@@ -1,7 +1,8 @@
 """Training from a DataFrame: through a Store (``make_converter``) vs straight from Spark
 (``run(fn, df=...)``), in the same run.
 
-``python -m hvd_spark.bench dataframe [--rows N] [--features N] [--epochs N] [--repeats N]``
+``python -m hvd_spark.bench dataframe [--rows N] [--features N] [--epochs N] [--repeats N]
+[--estimators]``
 
 On ``local[2]``, 2 ranks train a small MLP for ``--epochs`` epochs on ``--rows`` rows of
 ``--features`` float features and a label (1M x 100 by default, as issue 45 asks). Both
@@ -10,7 +11,8 @@ neither pays for generating it) and run the same training loop; only the loader 
 Reported per path (medians over ``--repeats``, the paths alternating): seconds from the
 call to the first step on rank 0, the whole call, bytes written to the Store, and the
 ranks' peak RSS. Goal: the direct path's first step in under half the Store path's time,
-its whole fit no slower.
+its whole fit no slower. ``--estimators`` adds the same training as a ``TorchEstimator``
+fit with a Store and without one (the whole fit and the Store's bytes).
 """
 
 from __future__ import annotations
@@ -76,6 +78,22 @@ def _direct_fn(started: float, epochs: int, features: int) -> dict:
     return _train(lambda: loader, started, epochs, features)
 
 
+def _estimator_fit(df, store: str | None, epochs: int, features: int) -> None:
+    """The same MLP and batches as a TorchEstimator fit (``store`` None: the direct path)."""
+    import torch
+
+    from hvd_spark.estimator import TorchEstimator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 1))
+    TorchEstimator(num_proc=2, model=model, optimizer=torch.optim.SGD(model.parameters(),
+                                                                      lr=0.01),
+                   loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["label"],
+                   batch_size=BATCH, epochs=epochs, store=store, verbose=0,
+                   scale_learning_rate=False).fit(df)
+
+
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path)
                for f in files)
@@ -88,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--estimators", action="store_true",
+                        help="also time TorchEstimator fits with and without a Store")
     args = parser.parse_args(argv)
     spark = _session("local[2]")
     from pyspark.ml.functions import array_to_vector
@@ -102,11 +122,21 @@ def main(argv: list[str] | None = None) -> int:
                   F.rand(seed=999).alias("label"))
           .cache())
     df.count()  # materialised once: neither path pays for generating it
-    rows: dict[str, list[dict]] = {"store": [], "direct": []}
+    paths = ["store", "direct"] + (["fit+store", "fit direct"] if args.estimators else [])
+    rows: dict[str, list[dict]] = {p: [] for p in paths}
     for _ in range(args.repeats):
-        for path in ("store", "direct"):
+        for path in paths:
             started = time.time()
-            if path == "store":
+            if path.startswith("fit"):
+                store = tempfile.mkdtemp(prefix="hvd_spark-bench-store-")
+                try:
+                    _estimator_fit(df, store if path == "fit+store" else None, args.epochs,
+                                   args.features)
+                    written = _dir_bytes(store)
+                finally:
+                    shutil.rmtree(store, ignore_errors=True)
+                out = [{"first_step_s": float("nan"), "peak_rss_mb": float("nan")}]
+            elif path == "store":
                 store = tempfile.mkdtemp(prefix="hvd_spark-bench-store-")
                 try:
                     converter = make_converter(df, store, num_files=2)
@@ -133,5 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ndirect / store: first step {med['direct']['first'] / med['store']['first']:.2f} "
           f"(goal < 0.5), whole call {med['direct']['total'] / med['store']['total']:.2f} "
           "(goal <= 1.0)")
+    if args.estimators:
+        print(f"fit direct / fit+store: whole fit "
+              f"{med['fit direct']['total'] / med['fit+store']['total']:.2f}")
     df.unpersist()
     return 0

@@ -114,6 +114,11 @@ def test_bad_input_is_refused_before_any_rank_starts(frame, spark):
         _estimator().fit(tiny)
     with pytest.raises(DataError, match="column 'nope' not found"):
         _estimator(label_cols=["nope"]).fit(frame)
+    from pyspark.sql import functions as F
+
+    narrow = frame.select(F.slice("features", 1, 3).alias("features"), "y")
+    with pytest.raises(ConfigError, match="dry run"):  # the model takes 4 features, not 3
+        _estimator().fit(narrow)
 
 
 def test_the_warning_about_what_is_lost_comes_once(caplog, monkeypatch):

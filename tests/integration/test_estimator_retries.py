@@ -236,3 +236,43 @@ def test_keras_fit_resumes_after_an_executor_is_lost(frame, tmp_path, messages):
     again = _keras_estimator(store_path, "b", ranks).fit(frame)
     for w_a, w_b in zip(fitted.getModel().get_weights(), again.getModel().get_weights()):
         assert np.allclose(w_a, w_b, atol=1e-5)
+
+
+class _MarkedNet(SlowNet):
+    """SlowNet that appends a byte to ``marker`` at every training step (on any rank)."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def forward(self, x):
+        if self.training:
+            with open(self.marker, "ab") as f:
+                f.write(b".")
+        return super().forward(x)
+
+
+def test_a_fit_without_a_store_starts_over_after_an_executor_is_lost(frame, tmp_path,
+                                                                      messages):
+    marker = str(tmp_path / "steps")
+    torch.manual_seed(0)
+    model = _MarkedNet(marker)
+    est = TorchEstimator(
+        num_proc=2, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["y"], batch_size=16,
+        epochs=4, train_steps_per_epoch=8, random_seed=7, verbose=0)
+
+    def in_epoch_2() -> bool:  # 2 ranks x 8 steps an epoch
+        return os.path.exists(marker) and os.path.getsize(marker) > 20
+
+    with Killer(in_epoch_2) as killer:
+        fitted = est.fit(frame)
+    assert killer.error is None and killer.killed is not None, killer.error
+    said = [m for m in messages.lines if "resuming from the first epoch" in m]
+    assert len(said) == 1 and "no store: no checkpoint to resume from" in said[0], \
+        messages.lines
+    assert "executor" in said[0] and "retry 1 of 3" in said[0], said[0]
+    assert [h["epoch"] for h in fitted.getHistory()] == [0, 1, 2, 3]  # all 4, from the start
+    assert os.path.getsize(marker) > 20 + 8 * 4  # the retry trained every epoch again
+    losses = [h["train"]["loss"] for h in fitted.getHistory()]
+    assert losses[-1] < losses[0], losses

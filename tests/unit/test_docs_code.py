@@ -26,7 +26,7 @@ RUN = list({block.code: block for block in ALL if block.run}.values())
 # Inline code that looks like a Python path and is not one.
 NOT_PATHS = {
     "hvd_spark.converter.parentCacheDirUrl",  # a Spark conf key
-    "hvd_spark.run_id", "hvd_spark.store", "hvd_spark.logs",  # MLflow tags
+    "hvd_spark.run_id", "hvd_spark.store", "hvd_spark.logs", "hvd_spark.validation",  # tags
     "hvd_spark.torch.X", "hvd_spark.tensorflow.X", "hvd_spark.keras.X",  # "any module X"
 }
 
