@@ -9,9 +9,10 @@ Nothing here imports pyspark or starts anything.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from hvd_spark import _env
@@ -21,8 +22,11 @@ from hvd_spark.errors import ConfigError
 
 #: Seconds an elastic ring may take to re-form after a loss (``HVD_SPARK_ELASTIC_TIMEOUT``).
 DEFAULT_ELASTIC_TIMEOUT_S = 600.0
-#: Seconds ``Launcher.stop`` gives the ranks to end before it kills what is left.
+#: Seconds between asking a rank to stop and killing it: ``Launcher.stop``, a Spark task
+#: reaping its rank, ``remote_rank`` on an ssh host (the one stop grace of every launcher).
 DEFAULT_STOP_GRACE_S = 3.0
+
+log = logging.getLogger("hvd_spark.runner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,47 @@ def heartbeat_limit(user_env: Mapping[str, str]) -> float:
     return _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
 
 
+def horovod_keywords(env: Mapping[str, str] | None, *, extra_mpi_args: str | None = None,
+                     nics: Sequence[str] | str | None = None, executable: str | None = None,
+                     use_mpi: bool | None = None,
+                     use_gloo: bool | None = None) -> dict[str, str] | None:
+    """Apply Horovod's launcher keywords that mean something here; log the others once.
+
+    Returns ``env``, with ``HVD_SPARK_IFACE`` added when ``nics`` names an interface.
+
+    Raises:
+        ConfigError: Both ``use_mpi`` and ``use_gloo``, or ``nics`` that are not names.
+    """
+    if use_mpi and use_gloo:
+        raise ConfigError("use_mpi and use_gloo are both True; Horovod accepts one at most")
+    if use_mpi:
+        log.info("hvd_spark.run: use_mpi=True is ignored: under Spark the ranks always "
+                 "connect through hvd_spark's TCP ring (there is no mpirun to start)")
+    if use_gloo is False and not use_mpi:
+        log.info("hvd_spark.run: use_gloo=False is ignored: the TCP ring is the only "
+                 "controller under Spark")
+    if extra_mpi_args:
+        log.info("hvd_spark.run: extra_mpi_args=%r is ignored: no MPI launcher runs under "
+                 "Spark", extra_mpi_args)
+    if executable is not None:
+        log.info("hvd_spark.run: executable=%r is ignored: each rank runs in its Spark "
+                 "task's Python (set spark.pyspark.python or PYSPARK_PYTHON)", executable)
+    if nics:
+        names = [nics] if isinstance(nics, str) else sorted(nics)
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise ConfigError(f"nics must be interface names (str), got {nics!r}")
+        if len(names) > 1:
+            log.info("hvd_spark.run: nics=%r: the ranks advertise the address of %r "
+                     "(one interface is used)", nics, names[0])
+        return {**(env or {}), _env.IFACE: names[0]}
+    return None if env is None else dict(env)
+
+
+#: ``hvd_spark.run``'s keywords that only Horovod's callers pass (see ``horovod_keywords``).
+HOROVOD_KEYWORDS = ("extra_mpi_args", "nics", "executable", "use_mpi", "use_gloo")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """What ``hvd_spark.run`` (and ``hvdrun``) was asked for, checked.
@@ -135,13 +180,35 @@ class RunConfig:
             raise ConfigError(f"verbose must be 0, 1 or 2, got {self.verbose!r}")
 
     @classmethod
+    def keywords(cls) -> list[str]:
+        """The keywords ``from_kwargs`` takes: ``hvd_spark.run``'s options, all of them."""
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "timeouts"]
+        return sorted([*fields, "start_timeout", *HOROVOD_KEYWORDS])
+
+    @classmethod
     def from_kwargs(cls, *, start_timeout: float | None = None,
-                    env: Mapping[str, str] | None = None, **kwargs: Any) -> RunConfig:
-        """Build from ``hvd_spark.run``'s keyword arguments (``start_timeout`` included).
+                    env: Mapping[str, str] | None = None, where: str = "hvd_spark.run",
+                    **kwargs: Any) -> RunConfig:
+        """Build from ``hvd_spark.run``'s keyword arguments: the one place they are checked.
+
+        ``start_timeout`` and the heartbeat limit get their defaults (``Timeouts.for_run``),
+        Horovod's launcher keywords are applied (``horovod_keywords``).
+
+        Args:
+            start_timeout: Seconds for every rank to start (None: the default).
+            env: Variables for every rank.
+            where: Who was given the keywords, for the message about an unknown one.
+            **kwargs: Any other keyword of ``hvd_spark.run`` (see ``keywords``).
 
         Raises:
-            ConfigError: Naming the bad argument.
+            ConfigError: Naming the bad argument, or listing the known ones.
         """
+        unknown = sorted(set(kwargs) - set(cls.keywords()))
+        if unknown:
+            raise ConfigError(f"{where} got unknown keyword(s) {unknown}; it takes "
+                              f"{cls.keywords()}")
+        horovod = {k: kwargs.pop(k) for k in HOROVOD_KEYWORDS if k in kwargs}
+        env = horovod_keywords(env, **horovod)
         config = cls(env=dict(env or {}), **kwargs)  # env is checked before it is read
         return dataclasses.replace(config, timeouts=Timeouts.for_run(start_timeout, config.env))
 

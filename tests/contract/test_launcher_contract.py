@@ -7,27 +7,18 @@ hosts in ``tests/multihost`` (network namespaces, root and sshd).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
-import sys
 import time
-import uuid
-from collections.abc import Iterator
 
 import cloudpickle
 import pytest
 
 from hvd_spark.errors import WorkerFailedError
 from hvd_spark.runner import worker
-from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.local.local_launcher import LocalJob
 from hvd_spark.runner.local.mpi_launcher import MpiJob
-from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import RunConfig, Timeouts
-from hvd_spark.runner.spark.driver_service import DriverService
-from hvd_spark.runner.spark.spark_launcher import SparkLaunch
-from hvd_spark.runner.spark.spark_task import TaskSpec
+from hvd_spark.runner.spark.spark_launcher import SparkJob
 
 NUM_PROC = 2
 # A stopped rank is gone within the stop grace; Spark adds its task's kill and reap.
@@ -120,14 +111,4 @@ class TestMpiLauncher(LauncherContract):
 class TestSparkLauncher(LauncherContract):
     @pytest.fixture
     def launcher(self, spark):
-        @contextlib.contextmanager
-        def barrier_job() -> Iterator[Launcher]:
-            secret = secrets.token_bytes(32)
-            output = OutputForwarder(sys.stdout, sys.stderr)
-            with DriverService(NUM_PROC, secret, "127.0.0.1", "127.0.0.1", output) as service:
-                spec = TaskSpec(service.addr, secret, TIMEOUTS.start_timeout, {}, False,
-                                uuid.uuid4().hex[:12])
-                with SparkLaunch(spark, service, spec, TIMEOUTS) as launch:
-                    yield launch
-
-        return barrier_job
+        return lambda: SparkJob(CONFIG, spark=spark)

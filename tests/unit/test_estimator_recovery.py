@@ -12,7 +12,7 @@ import torch
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.estimator import KerasEstimator, TorchEstimator
-from hvd_spark.estimator.recovery import backend_for_retry, recoverable, run_with_retries
+from hvd_spark.estimator.recovery import recoverable, run_with_retries
 from hvd_spark.estimator.step_checkpoints import (
     ResumePoint,
     read_step_checkpoint,
@@ -158,12 +158,12 @@ class _Slots(SparkBackend):
 
 def test_retry_waits_for_the_slots_to_come_back():
     backend = _Slots([1, 1, 2])
-    assert backend_for_retry(backend, 2, wait_s=30).num_processes() == 2
+    assert backend.for_retry(2, wait_s=30).num_processes() == 2
     assert backend.slots == [2]  # it looked until the replacement executor was there
 
 
 def test_retry_goes_on_with_the_slots_that_remain_after_the_deadline():
     started = time.monotonic()
-    shrunk = backend_for_retry(_Slots([1]), 2, wait_s=1.5)
+    shrunk = _Slots([1]).for_retry(2, wait_s=1.5)
     assert shrunk.num_processes() == 1
     assert 1.5 <= time.monotonic() - started < 10
