@@ -13,9 +13,11 @@ from hvd_spark._version import __version__
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S
 from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
 from hvd_spark.runner.elastic.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob
+from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.local import ssh_launcher
-from hvd_spark.runner.local.local_launcher import run_command
-from hvd_spark.runner.local.mpi_launcher import run_mpirun
+from hvd_spark.runner.local.hosts import HostSlots
+from hvd_spark.runner.local.local_launcher import LocalJob
+from hvd_spark.runner.local.mpi_launcher import MpiJob
 from hvd_spark.runner.run_config import ElasticConfig, RunConfig, Timeouts, heartbeat_limit
 
 # What a shell exits with for a command it cannot find / cannot execute.
@@ -122,14 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         code, line = problem
         print(f"hvdrun: cannot run {line}", file=sys.stderr)
         return code
-    if args.hosts or args.hostfile:
-        return _run_hosts(args)
-    if args.elastic:
-        return _run_elastic(args)
-    if args.mpi:
-        return _run_mpi(args)
     try:
-        failures = run_command(args.command, args.config)
+        host_slots = ssh_launcher.host_slots_from(args)  # -H with --mpi or elastic: refused
+        if args.elastic:
+            return _run_elastic(args)
+        job = _launcher(args, host_slots)
+    except ConfigError as exc:  # no mpirun, a bad host list, a host ssh cannot reach
+        print(f"hvdrun: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with job:
+            job.start(args.command)
+            failures = job.watch()
     except OSError as exc:  # the program vanished or lost its permissions after the check
         print(f"hvdrun: cannot run {args.command[0]}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
@@ -140,27 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_hosts(args: argparse.Namespace) -> int:
-    try:
-        failures = ssh_launcher.run_on_hosts(
-            args.command, ssh_launcher.host_slots_from(args), args.config, args.ssh_port,
-            args.ssh_identity_file)
-    except ConfigError as exc:
-        print(f"hvdrun: {exc}", file=sys.stderr)
-        return 2
-    if failures:
-        error = WorkerFailedError(failures)
-        print(f"hvdrun: {error}", file=sys.stderr)
-        return error.root_cause.shell_exit_code()
-    return 0
+def _launcher(args: argparse.Namespace,
+              host_slots: list[HostSlots] | None) -> Launcher:
+    """The launcher hvdrun's options ask for: hosts over ssh, mpirun, or local processes.
 
-
-def _run_mpi(args: argparse.Namespace) -> int:
-    try:
-        return run_mpirun(args.command, args.config)
-    except ConfigError as exc:  # no mpirun, or one we do not know
-        print(f"hvdrun: {exc}", file=sys.stderr)
-        return 1
+    Raises:
+        ConfigError: No mpirun, or a host that does not answer ssh.
+    """
+    if host_slots is not None:
+        return ssh_launcher.hosts_job(host_slots, args.config, args.ssh_port,
+                                      args.ssh_identity_file)
+    if args.mpi:
+        return MpiJob(args.config)
+    return LocalJob(args.config)
 
 
 def _run_elastic(args: argparse.Namespace) -> int:
