@@ -82,7 +82,7 @@ class ElasticSparkRun:
         self.job_group = f"hvd_spark-elastic-{self.run_id}"
         self.spec = elastic_task.ElasticTaskSpec(
             driver_addr=f"{advertise_host}:{self.server.port}", secret=self.secret,
-            start_timeout=settings.start_timeout, elastic_timeout=settings.elastic_timeout,
+            start_timeout_s=settings.start_timeout, elastic_timeout_s=settings.elastic_timeout,
             heartbeat_s=settings.heartbeat_s, env=user_env, run_id=self.run_id)
         self.remote = is_connect(spark)
         self.results: dict[str, tuple[int, bytes]] = {}
@@ -249,8 +249,6 @@ def run_elastic(
     user_env = {str(k): str(v) for k, v in (env or {}).items()}
     if nics:
         user_env[_env.IFACE] = nics if isinstance(nics, str) else next(iter(nics))
-    if settings.heartbeat_s and _env.HEARTBEAT not in user_env:
-        user_env[_env.HEARTBEAT] = str(settings.heartbeat_s)
     err = stderr or sys.stderr
 
     def say(line: str) -> None:

@@ -22,7 +22,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from hvd_spark import _env
 from hvd_spark.errors import (
     ConfigError,
     HvdSparkError,
@@ -201,12 +200,12 @@ class SparkJob(Launcher):
         # The driver's MLflow run reaches the ranks; the caller's env wins over it. The
         # ranks beat to the driver service: a frozen rank or a host cut off fails the run
         # within the heartbeat limit, not the collective timeout.
-        env = {**mlflow_env.driver_env(), **config.env,
-               _env.HEARTBEAT: str(self.timeouts.heartbeat_s)}
         self.spec = spark_task.TaskSpec(
-            self.service.addr, secret, self.timeouts.start_timeout, env,
-            resolve_use_gpu(sc, config.use_gpu), uuid.uuid4().hex[:12],
-            ranks_per_task=config.ranks_per_task, with_share=data is not None)
+            driver_addr=self.service.addr, secret=secret,
+            start_timeout_s=self.timeouts.start_timeout, heartbeat_s=self.timeouts.heartbeat_s,
+            env={**mlflow_env.driver_env(), **config.env}, run_id=uuid.uuid4().hex[:12],
+            use_gpu=resolve_use_gpu(sc, config.use_gpu), ranks_per_task=config.ranks_per_task,
+            with_share=data is not None)
         self.service.watch_heartbeats(self.timeouts.heartbeat_s)
         self.job_group = f"hvd_spark-{self.spec.run_id}"
         self._job = JobThread(self.spark, self.job_group,
