@@ -15,7 +15,6 @@ from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
 from hvd_spark.runner.elastic.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob
 from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.local import ssh_launcher
-from hvd_spark.runner.local.hosts import HostSlots
 from hvd_spark.runner.local.local_launcher import LocalJob
 from hvd_spark.runner.local.mpi_launcher import MpiJob
 from hvd_spark.runner.run_config import ElasticConfig, RunConfig, Timeouts, heartbeat_limit
@@ -125,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hvdrun: cannot run {line}", file=sys.stderr)
         return code
     try:
-        host_slots = ssh_launcher.host_slots_from(args)  # -H with --mpi or elastic: refused
-        if args.elastic:
-            return _run_elastic(args)
-        job = _launcher(args, host_slots)
+        job = _launcher(args)
     except ConfigError as exc:  # no mpirun, a bad host list, a host ssh cannot reach
         print(f"hvdrun: {exc}", file=sys.stderr)
         return 2
@@ -139,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the program vanished or lost its permissions after the check
         print(f"hvdrun: cannot run {args.command[0]}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+    except ElasticJobError as exc:
+        print(f"hvdrun: elastic job failed: {exc}", file=sys.stderr)
+        return 1
     if failures:
         error = WorkerFailedError(failures)
         print(f"hvdrun: {error}", file=sys.stderr)
@@ -146,34 +145,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _launcher(args: argparse.Namespace,
-              host_slots: list[HostSlots] | None) -> Launcher:
-    """The launcher hvdrun's options ask for: hosts over ssh, mpirun, or local processes.
+def _launcher(args: argparse.Namespace) -> Launcher:
+    """The launcher hvdrun's options ask for: hosts over ssh, an elastic job, mpirun, or
+    local processes.
 
     Raises:
-        ConfigError: No mpirun, or a host that does not answer ssh.
+        ConfigError: -H with --mpi or the elastic options, no mpirun, or a host that does
+            not answer ssh.
     """
+    host_slots = ssh_launcher.host_slots_from(args)
     if host_slots is not None:
         return ssh_launcher.hosts_job(host_slots, args.config, args.ssh_port,
                                       args.ssh_identity_file)
+    if args.elastic:
+        cooldown = DEFAULT_COOLDOWN_S if args.cooldown is None else args.cooldown
+        return ElasticLocalJob(args.settings, dict(args.config.env),
+                               cooldown=None if cooldown < 0 else cooldown)
     if args.mpi:
         return MpiJob(args.config)
     return LocalJob(args.config)
-
-
-def _run_elastic(args: argparse.Namespace) -> int:
-    cooldown = DEFAULT_COOLDOWN_S if args.cooldown is None else args.cooldown
-    try:
-        with ElasticLocalJob(args.settings, args.command, dict(args.config.env),
-                             cooldown=None if cooldown < 0 else cooldown) as job:
-            job.run()
-    except ElasticJobError as exc:
-        print(f"hvdrun: elastic job failed: {exc}", file=sys.stderr)
-        return 1
-    except WorkerFailedError as exc:
-        print(f"hvdrun: {exc}", file=sys.stderr)
-        return exc.root_cause.shell_exit_code()
-    return 0
 
 
 if __name__ == "__main__":

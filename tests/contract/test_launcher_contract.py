@@ -1,12 +1,14 @@
 """Every launcher keeps the ``Launcher`` contract: the same checks, run against each one.
 
-Local processes, Spark barrier tasks on ``local[2]`` and ``mpirun`` need neither root
-nor sshd. The ssh launcher is the local launcher's subclass; its contract runs on real
-hosts in ``tests/multihost`` (network namespaces, root and sshd).
+Local processes, Spark barrier tasks on ``local[2]``, ``mpirun`` and the elastic jobs
+(local processes, Spark tasks) need neither root nor sshd. The ssh launcher is the local
+launcher's subclass; its contract runs on real hosts in ``tests/multihost`` (network
+namespaces, root and sshd).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -15,9 +17,11 @@ import pytest
 
 from hvd_spark.errors import WorkerFailedError
 from hvd_spark.runner import worker
+from hvd_spark.runner.elastic.elastic_local import ElasticLocalJob
+from hvd_spark.runner.elastic.elastic_spark import ElasticSparkJob
 from hvd_spark.runner.local.local_launcher import LocalJob
 from hvd_spark.runner.local.mpi_launcher import MpiJob
-from hvd_spark.runner.run_config import RunConfig, Timeouts
+from hvd_spark.runner.run_config import ElasticConfig, RunConfig, Timeouts
 from hvd_spark.runner.spark.spark_launcher import SparkJob
 
 NUM_PROC = 2
@@ -25,9 +29,16 @@ NUM_PROC = 2
 STOP_DEADLINE_S = 15.0
 TIMEOUTS = Timeouts(start_timeout=60.0, heartbeat_s=10.0, stop_grace=2.0)
 CONFIG = RunConfig(num_proc=NUM_PROC, timeouts=TIMEOUTS)
+ELASTIC = dataclasses.replace(
+    ElasticConfig(num_proc=NUM_PROC, min_np=NUM_PROC, max_np=NUM_PROC), timeouts=TIMEOUTS)
 
 
 def _rank() -> int:
+    if os.environ.get("HVD_SPARK_ELASTIC") == "1":
+        import hvd_spark.collectives as hvd
+
+        hvd.init()  # an elastic worker learns its rank by joining the ring
+        return hvd.rank()
     return int(os.environ["HVD_SPARK_RANK"])
 
 
@@ -106,6 +117,18 @@ class TestMpiLauncher(LauncherContract):
     @pytest.fixture
     def launcher(self):
         return lambda: MpiJob(CONFIG)
+
+
+class TestElasticLocalLauncher(LauncherContract):
+    @pytest.fixture
+    def launcher(self):
+        return lambda: ElasticLocalJob(ELASTIC, cooldown=None)
+
+
+class TestElasticSparkLauncher(LauncherContract):
+    @pytest.fixture
+    def launcher(self, spark):
+        return lambda: ElasticSparkJob(ELASTIC, spark=spark)
 
 
 class TestSparkLauncher(LauncherContract):
