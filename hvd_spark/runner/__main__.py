@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -10,14 +11,13 @@ import sys
 
 from hvd_spark import _env
 from hvd_spark._version import __version__
-from hvd_spark.config import DEFAULT_START_TIMEOUT_S
 from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
 from hvd_spark.runner.elastic.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob
 from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.local import ssh_launcher
 from hvd_spark.runner.local.local_launcher import LocalJob
 from hvd_spark.runner.local.mpi_launcher import MpiJob
-from hvd_spark.runner.run_config import ElasticConfig, RunConfig, Timeouts, heartbeat_limit
+from hvd_spark.runner.run_config import ElasticConfig, RunConfig
 
 # What a shell exits with for a command it cannot find / cannot execute.
 EXIT_NOT_FOUND = 127
@@ -74,7 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         try:
             args.settings = ElasticConfig.from_kwargs(
                 args.num_proc, args.min_np, args.max_np,
-                start_timeout=args.config.timeouts.start_timeout,
+                start_timeout=args.config.timeouts.start_timeout_s,
                 elastic_timeout=args.elastic_timeout, reset_limit=args.reset_limit)
         except ConfigError as exc:
             parser.error(str(exc).replace("min_np", "--min-np").replace("max_np", "--max-np")
@@ -84,22 +84,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    """hvdrun's options as a ``RunConfig``: ``--timeout`` bounds the start and every
-    collective (the ranks read it from their environment), ``--network-interface``
-    names the ranks' interface.
+    """hvdrun's options as a ``RunConfig`` (built by ``RunConfig.from_kwargs``, as every
+    launcher's): ``--timeout`` bounds the start and every collective (the ranks read it
+    from their environment), ``--network-interface`` names the ranks' interface.
 
     Raises:
         ConfigError: A timeout that is not positive seconds.
     """
-    timeouts = Timeouts(start_timeout=args.timeout or DEFAULT_START_TIMEOUT_S,
-                        collective_timeout=args.timeout, heartbeat_s=heartbeat_limit({}))
     env = {}
-    if timeouts.collective_timeout is not None:
-        env[_env.TIMEOUT] = str(timeouts.collective_timeout)
-        env[_env.START_TIMEOUT] = str(timeouts.collective_timeout)
+    if args.timeout is not None:
+        env[_env.TIMEOUT] = env[_env.START_TIMEOUT] = str(args.timeout)
     if args.nics:
         env[_env.IFACE] = ",".join(args.nics)
-    return RunConfig(num_proc=args.num_proc, env=env, timeouts=timeouts)
+    config = RunConfig.from_kwargs(where="hvdrun", num_proc=args.num_proc, env=env,
+                                   start_timeout=args.timeout)
+    return dataclasses.replace(config, timeouts=dataclasses.replace(
+        config.timeouts, collective_timeout_s=args.timeout))
 
 
 def _command_problem(program: str) -> tuple[int, str] | None:

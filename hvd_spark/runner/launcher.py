@@ -78,7 +78,7 @@ class Launcher(abc.ABC):
 
     @abc.abstractmethod
     def stop(self) -> None:
-        """End every rank process now (and within ``Timeouts.stop_grace`` plus a few
+        """End every rank process now (and within ``Timeouts.stop_grace_s`` plus a few
         seconds); safe to call more than once."""
 
     @abc.abstractmethod

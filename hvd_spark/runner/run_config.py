@@ -34,33 +34,35 @@ class Timeouts:
     """Every deadline of one run, in seconds.
 
     Attributes:
-        start_timeout: For every rank's task to start and register (not for a started
+        start_timeout_s: For every rank's task to start and register (not for a started
             rank's imports before ``init()``, as in Horovod).
-        elastic_timeout: For a broken elastic ring to re-form.
+        elastic_timeout_s: For a broken elastic ring to re-form.
         heartbeat_s: Silence after which a rank counts as lost (0: off).
-        collective_timeout: What one collective may wait for its peers (``hvdrun
+        collective_timeout_s: What one collective may wait for its peers (``hvdrun
             --timeout``; None: the ranks' own default, ``HVD_SPARK_TIMEOUT``).
-        stop_grace: Between asking the ranks to stop and killing them.
+        stop_grace_s: Between asking the ranks to stop and killing them.
     """
 
-    start_timeout: float = DEFAULT_START_TIMEOUT_S
-    elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT_S
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    elastic_timeout_s: float = DEFAULT_ELASTIC_TIMEOUT_S
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    collective_timeout: float | None = None
-    stop_grace: float = DEFAULT_STOP_GRACE_S
+    collective_timeout_s: float | None = None
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S
 
     def __post_init__(self) -> None:
+        # The messages name the public keywords (start_timeout=, hvdrun --timeout).
         for name in ("start_timeout", "elastic_timeout"):
-            if not _is_number(getattr(self, name)) or not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
+            value = getattr(self, f"{name}_s")
+            if not _is_number(value) or not value > 0:
+                raise ConfigError(f"{name} must be positive seconds, got {value}")
         if not _is_number(self.heartbeat_s) or self.heartbeat_s < 0:
             raise ConfigError(f"heartbeat_s must be >= 0 (0: off), got {self.heartbeat_s}")
-        if self.collective_timeout is not None and not (
-                _is_number(self.collective_timeout) and self.collective_timeout > 0):
+        if self.collective_timeout_s is not None and not (
+                _is_number(self.collective_timeout_s) and self.collective_timeout_s > 0):
             raise ConfigError(
-                f"timeout must be positive seconds, got {self.collective_timeout}")
-        if not _is_number(self.stop_grace) or self.stop_grace < 0:
-            raise ConfigError(f"stop_grace must be >= 0 seconds, got {self.stop_grace}")
+                f"timeout must be positive seconds, got {self.collective_timeout_s}")
+        if not _is_number(self.stop_grace_s) or self.stop_grace_s < 0:
+            raise ConfigError(f"stop_grace_s must be >= 0 seconds, got {self.stop_grace_s}")
 
     @classmethod
     def for_run(cls, start_timeout: float | None = None,
@@ -75,7 +77,7 @@ class Timeouts:
         """
         if start_timeout is None:
             start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
-        return cls(start_timeout=_seconds(start_timeout, "start_timeout"),
+        return cls(start_timeout_s=_seconds(start_timeout, "start_timeout"),
                    heartbeat_s=heartbeat_limit(env or {}))
 
 
@@ -226,9 +228,9 @@ class ElasticConfig:
         min_np: Fewest workers the job may continue with.
         max_np: Most workers a generation may hold.
         reset_limit: Most re-formations after the first generation (None: no limit).
-        timeouts: ``start_timeout`` (the first generation waits that long for
+        timeouts: ``start_timeout_s`` (the first generation waits that long for
             ``num_proc`` workers, then starts with at least ``min_np``),
-            ``elastic_timeout`` (a broken generation waits that long for its survivors,
+            ``elastic_timeout_s`` (a broken generation waits that long for its survivors,
             or for new workers when fewer than ``min_np`` are left), ``heartbeat_s``.
     """
 
@@ -259,7 +261,7 @@ class ElasticConfig:
             ConfigError: Naming the bad argument (sizes first).
         """
         sizes = cls(num_proc, min_np, max_np, reset_limit)
-        timeouts = Timeouts(start_timeout=start_timeout, elastic_timeout=elastic_timeout,
+        timeouts = Timeouts(start_timeout_s=start_timeout, elastic_timeout_s=elastic_timeout,
                             heartbeat_s=heartbeat_s)
         return dataclasses.replace(sizes, timeouts=timeouts)
 
@@ -290,14 +292,14 @@ class ElasticConfig:
                       reset_limit=reset_limit, heartbeat_s=heartbeat_limit(env or {}))
 
     @property
-    def start_timeout(self) -> float:
+    def start_timeout_s(self) -> float:
         """Seconds the first generation waits for ``num_proc`` workers."""
-        return self.timeouts.start_timeout
+        return self.timeouts.start_timeout_s
 
     @property
-    def elastic_timeout(self) -> float:
+    def elastic_timeout_s(self) -> float:
         """Seconds a broken generation waits to re-form."""
-        return self.timeouts.elastic_timeout
+        return self.timeouts.elastic_timeout_s
 
     @property
     def heartbeat_s(self) -> float:

@@ -27,7 +27,7 @@ from hvd_spark.runner.spark.spark_launcher import SparkJob
 NUM_PROC = 2
 # A stopped rank is gone within the stop grace; Spark adds its task's kill and reap.
 STOP_DEADLINE_S = 15.0
-TIMEOUTS = Timeouts(start_timeout=60.0, heartbeat_s=10.0, stop_grace=2.0)
+TIMEOUTS = Timeouts(start_timeout_s=60.0, heartbeat_s=10.0, stop_grace_s=2.0)
 CONFIG = RunConfig(num_proc=NUM_PROC, timeouts=TIMEOUTS)
 ELASTIC = dataclasses.replace(
     ElasticConfig(num_proc=NUM_PROC, min_np=NUM_PROC, max_np=NUM_PROC), timeouts=TIMEOUTS)
@@ -94,7 +94,7 @@ class LauncherContract:
         with launcher() as job:
             job.publish(worker.pickle_job(write_pid_then_sleep, (str(tmp_path),), {}))
             job.start()
-            deadline = time.monotonic() + TIMEOUTS.start_timeout
+            deadline = time.monotonic() + TIMEOUTS.start_timeout_s
             while len(list(tmp_path.glob("*.pid"))) < NUM_PROC:
                 assert time.monotonic() < deadline, "the ranks did not start"
                 time.sleep(0.1)

@@ -99,7 +99,7 @@ class ElasticLocalJob(Launcher):
             _env.ELASTIC: "1",
             _env.WORKER_ID: worker_id,
             _env.HOSTNAME: host,
-            _env.ELASTIC_TIMEOUT: str(self.settings.elastic_timeout),
+            _env.ELASTIC_TIMEOUT: str(self.settings.elastic_timeout_s),
             _env.HEARTBEAT: str(self.settings.heartbeat_s),
             "PYTHONUNBUFFERED": "1",
         }
@@ -237,7 +237,7 @@ class ElasticLocalJob(Launcher):
             for proc in procs:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)
-            deadline = time.monotonic() + self.settings.timeouts.stop_grace
+            deadline = time.monotonic() + self.settings.timeouts.stop_grace_s
             for proc in procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(max(0.0, deadline - time.monotonic()))

@@ -85,7 +85,8 @@ class ElasticSparkJob(Launcher):
         self.run_id = uuid.uuid4().hex[:12]
         self.spec = elastic_task.ElasticTaskSpec(
             driver_addr=f"{advertise_host}:{self.server.port}", secret=self.secret,
-            start_timeout_s=settings.start_timeout, elastic_timeout_s=settings.elastic_timeout,
+            start_timeout_s=settings.start_timeout_s,
+            elastic_timeout_s=settings.elastic_timeout_s,
             heartbeat_s=settings.heartbeat_s, env=dict(env or {}), run_id=self.run_id)
         self._job = JobThread(self.spark, f"hvd_spark-elastic-{self.run_id}",
                               f"hvd_spark.run_elastic of up to {settings.max_np} ranks",

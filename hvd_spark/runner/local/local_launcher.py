@@ -165,7 +165,7 @@ class LocalJob(Launcher):
             except queue.Empty:
                 kind = ""
                 if (torn_down_at is not None
-                        and time.time() - torn_down_at > self.timeouts.stop_grace):
+                        and time.time() - torn_down_at > self.timeouts.stop_grace_s):
                     self._escalated = True
                     self._signal_all(signal.SIGKILL)
             if kind == "silent":
@@ -235,7 +235,7 @@ class LocalJob(Launcher):
     def stop(self) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after the grace."""
         self._signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + self.timeouts.stop_grace
+        deadline = time.monotonic() + self.timeouts.stop_grace_s
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))

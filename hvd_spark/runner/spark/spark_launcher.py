@@ -202,7 +202,7 @@ class SparkJob(Launcher):
         # within the heartbeat limit, not the collective timeout.
         self.spec = spark_task.TaskSpec(
             driver_addr=self.service.addr, secret=secret,
-            start_timeout_s=self.timeouts.start_timeout, heartbeat_s=self.timeouts.heartbeat_s,
+            start_timeout_s=self.timeouts.start_timeout_s, heartbeat_s=self.timeouts.heartbeat_s,
             env={**mlflow_env.driver_env(), **config.env}, run_id=uuid.uuid4().hex[:12],
             use_gpu=resolve_use_gpu(sc, config.use_gpu), ranks_per_task=config.ranks_per_task,
             with_share=data is not None)
@@ -346,11 +346,11 @@ class SparkJob(Launcher):
 
     @property
     def _teardown_s(self) -> float:
-        return self.timeouts.stop_grace + _SPARK_VERDICT_S
+        return self.timeouts.stop_grace_s + _SPARK_VERDICT_S
 
     def _supervise(self, out: _Outcome) -> None:
-        start_timeout = self.timeouts.start_timeout
-        start_deadline = time.monotonic() + start_timeout
+        start_timeout_s = self.timeouts.start_timeout_s
+        start_deadline = time.monotonic() + start_timeout_s
         teardown_at: float | None = None
         while len(out.results) < self.num_proc or out.failures:
             if teardown_at is not None and (
@@ -363,7 +363,7 @@ class SparkJob(Launcher):
                     and time.monotonic() > start_deadline):
                 raise RendezvousTimeoutError(
                     f"only {self.service.registered} of {self.num_proc} Spark tasks started "
-                    f"within start_timeout={start_timeout} s: other jobs may hold the task "
+                    f"within start_timeout={start_timeout_s} s: other jobs may hold the task "
                     "slots, or executors are missing; free them or raise start_timeout")
             try:
                 kind, key, value = self.service.events.get(timeout=_POLL_S)
