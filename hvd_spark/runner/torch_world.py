@@ -35,8 +35,7 @@ def rank_world(info: RankInfo, run_id: str) -> dict[str, str]:
     when ``info`` has it; else the rank learns it as it starts, ``fill_master``)."""
     master = (info.master_addr, info.master_port) if info.master_port else (None, None)
     return {
-        **_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
-                              info.cross_rank, info.cross_size, info.host),
+        **info.variables(info.host),
         **_env.torchrun_variables(rank=info.rank, size=info.size, node_rank=info.node_rank,
                                   num_nodes=info.num_nodes, run_id=run_id,
                                   master_addr=master[0], master_port=master[1]),
