@@ -167,3 +167,34 @@ def test_retry_goes_on_with_the_slots_that_remain_after_the_deadline():
     shrunk = _Slots([1]).for_retry(2, wait_s=1.5)
     assert shrunk.num_processes() == 1
     assert 1.5 <= time.monotonic() - started < 10
+
+
+def test_the_spark_backend_is_a_launcher_backend_over_spark_jobs():
+    from hvd_spark.runner.backend import LauncherBackend
+    from hvd_spark.runner.spark.spark_launcher import SparkJob
+
+    backend = SparkBackend(num_proc=3, verbose=0, env={"A": "1"})
+    assert isinstance(backend, LauncherBackend) and backend.launcher is SparkJob
+    hooked = backend.with_options(use_gpu=False, verbose=2, progress=print)
+    # What the user set stays; what they left unset the Estimator fills in.
+    assert (hooked.config.verbose, hooked.config.use_gpu, hooked.config.progress) == (
+        0, False, print)
+    assert backend.config.use_gpu is None and hooked.num_processes() == 3
+
+
+def test_a_duck_typed_backend_only_runs():
+    from hvd_spark.runner.backend import as_backend
+
+    class Horovods:
+        def run(self, fn, args=(), kwargs=None, env=None):
+            return [fn(*args)]
+
+        def num_processes(self):
+            return 1
+
+    adapted = as_backend(Horovods())
+    assert adapted.run(lambda x: x + 1, args=(1,)) == [2]
+    adapted.check()  # nothing to check
+    assert adapted.for_retry(2, wait_s=0) is adapted
+    with pytest.raises(ConfigError, match="backend must be a Backend"):
+        as_backend("spark")

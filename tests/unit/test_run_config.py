@@ -75,3 +75,23 @@ def test_elastic_deadlines_given_as_zero_are_errors_not_the_default(monkeypatch)
     settings = ElasticConfig.from_kwargs(3, min_np=2)
     assert (settings.min_np, settings.max_np, settings.elastic_timeout_s) == (2, 3, 42.0)
     assert ElasticConfig.from_kwargs(3, elastic_timeout=7).elastic_timeout_s == 7.0
+
+
+def test_run_config_takes_exactly_runs_keywords():
+    """One definition of the options: RunConfig.from_kwargs takes what hvd_spark.run takes
+    (besides the function, its arguments and the DataFrame), no more, no less."""
+    import inspect
+
+    from hvd_spark.runner.api import run
+
+    run_options = set(inspect.signature(run).parameters) - {"fn", "args", "kwargs", "df"}
+    assert set(RunConfig.keywords()) - {"ranks_per_task"} == run_options
+    with pytest.raises(ConfigError, match=r"SparkBackend got unknown keyword\(s\) \['bogus'\]"):
+        RunConfig.from_kwargs(where="SparkBackend", bogus=1)
+
+
+def test_horovods_keywords_are_applied_by_the_config():
+    config = RunConfig.from_kwargs(nics=["eth1", "eth0"], use_gloo=True, extra_mpi_args="-x A")
+    assert config.env == {"HVD_SPARK_IFACE": "eth0"}
+    with pytest.raises(ConfigError, match="use_mpi and use_gloo are both True"):
+        RunConfig.from_kwargs(use_mpi=True, use_gloo=True)
