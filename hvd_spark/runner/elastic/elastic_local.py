@@ -27,20 +27,23 @@ import cloudpickle
 from hvd_spark import _env
 from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreServer
-from hvd_spark.errors import ElasticJobError, WorkerFailedError
+from hvd_spark.errors import ElasticJobError
 from hvd_spark.runner import worker
 from hvd_spark.runner.elastic.elastic_driver import ElasticDriver
+from hvd_spark.runner.elastic.elastic_job import (
+    FINISH_GRACE_S,
+    ElasticJob,
+    is_lost_peer_failure,
+)
 from hvd_spark.runner.failures import WorkerFailure
-from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import ElasticConfig
 from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 DEFAULT_COOLDOWN_S = 5.0
-_FINISH_GRACE_S = 60.0
 
 
-class ElasticLocalJob(Launcher):
+class ElasticLocalJob(ElasticJob):
     """One elastic launch of local worker processes.
 
     Args:
@@ -60,6 +63,7 @@ class ElasticLocalJob(Launcher):
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
     ) -> None:
+        super().__init__()
         self.settings = settings
         self.num_proc = settings.num_proc
         self.command: list[str] = list(WORKER_COMMAND)
@@ -74,9 +78,7 @@ class ElasticLocalJob(Launcher):
         self._output = OutputForwarder(stdout or sys.stdout, self._stderr)
         self.procs: dict[str, subprocess.Popen] = {}
         self.exit_codes: dict[str, int] = {}
-        self.results: dict[str, tuple[int, bytes]] = {}
         self.failures: dict[str, WorkerFailure] = {}
-        self._failed: list[WorkerFailure] = []
         self._replace_at: list[float] = []
 
     # ------------------------------------------------------------------ workers
@@ -154,25 +156,25 @@ class ElasticLocalJob(Launcher):
                 kind = None
             if kind is not None:
                 self._apply(kind, worker_id, value)
-            if self._failed:
+            if self.failed:
                 self.stop()
-                return self._failed
+                return self.failed
             if self.driver.fatal:
                 raise ElasticJobError(self.driver.fatal)
             self._start_due_replacements()
             if self.driver.finished:
                 finished_at = finished_at or time.monotonic()
                 running = [w for w in self.driver.members if self.procs[w].poll() is None]
-                if not running or time.monotonic() - finished_at > _FINISH_GRACE_S:
+                if not running or time.monotonic() - finished_at > FINISH_GRACE_S:
                     self._drain()
-                    return self._failed
+                    return self.failed
 
     def _apply(self, kind: str, worker_id: str, value: Any) -> None:
         if kind == "exit":
             self.exit_codes[worker_id] = value
             failed = self.failures.get(worker_id)
             if failed is not None and value != 0 and not is_lost_peer_failure(failed):
-                self._failed.append(failed)
+                self.failed.append(failed)
                 return
             self.driver.worker_exited(worker_id, value)
             self._check_start(worker_id, value)
@@ -195,19 +197,8 @@ class ElasticLocalJob(Launcher):
         # A member that reported a failure of training: the run failed with it.
         for worker_id, failure in self.failures.items():
             if worker_id in self.driver.members and not is_lost_peer_failure(failure) \
-                    and failure not in self._failed:
-                self._failed.append(failure)
-
-    def collect(self) -> list[bytes]:
-        """The final ring's pickled results in rank order, after ``watch``.
-
-        Raises:
-            WorkerFailedError: A rank failed.
-            ElasticJobError: A member of the final ring ended without a result.
-        """
-        if self._failed:
-            raise WorkerFailedError(self._failed)
-        return results_in_rank_order(self.results, self.driver.members)
+                    and failure not in self.failed:
+                self.failed.append(failure)
 
     def _check_start(self, worker_id: str, returncode: int) -> None:
         """Before the first ring forms, too many early exits end the job at once (not
@@ -276,26 +267,3 @@ def run_elastic_local(
     payload = worker.pickle_job(fn, args, kwargs)
     with ElasticLocalJob(settings, env, cooldown, stdout, stderr) as job:
         return [cloudpickle.loads(result) for result in job.run(payload)]
-
-
-def results_in_rank_order(results: dict[str, tuple[int, bytes]], members: dict) -> list[bytes]:
-    """The final generation's pickled results by rank (workers outside it are left out).
-
-    Raises:
-        ElasticJobError: A member of the final generation has no result.
-    """
-    final = {w: results[w] for w in members if w in results}
-    missing = sorted(set(members) - set(final))
-    if missing:
-        raise ElasticJobError(f"workers {missing} of the final ring ended without a result")
-    return [payload for _, payload in sorted(final.values())]
-
-
-#: What a worker's failure says when the ring broke under it, rather than ``fn`` failing.
-_LOST_PEER_ERRORS = ("HorovodInternalError", "PeerDisconnectedError", "ElasticJobError",
-                     "RendezvousTimeoutError", "HostsUpdatedInterrupt")
-
-
-def is_lost_peer_failure(failure: WorkerFailure) -> bool:
-    """True when a worker failed because the ring broke under it, not because of ``fn``."""
-    return any(name in failure.message for name in _LOST_PEER_ERRORS)

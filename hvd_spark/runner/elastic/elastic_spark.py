@@ -34,13 +34,12 @@ import cloudpickle
 
 from hvd_spark import _env
 from hvd_spark.collectives.tcp.store import StoreServer
-from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
+from hvd_spark.errors import ConfigError, ElasticJobError
 from hvd_spark.runner import worker
 from hvd_spark.runner.elastic import elastic_task
 from hvd_spark.runner.elastic.elastic_driver import ElasticDriver
-from hvd_spark.runner.elastic.elastic_local import is_lost_peer_failure, results_in_rank_order
+from hvd_spark.runner.elastic.elastic_job import FINISH_GRACE_S, ElasticJob, is_lost_peer_failure
 from hvd_spark.runner.failures import WorkerFailure
-from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import ElasticConfig
 from hvd_spark.runner.spark import spark_launcher
@@ -50,10 +49,9 @@ from hvd_spark.runner.spark.job_thread import JobThread
 log = logging.getLogger("hvd_spark.runner")
 
 _POLL_S = 0.25
-_FINISH_GRACE_S = 60.0
 
 
-class ElasticSparkJob(Launcher):
+class ElasticSparkJob(ElasticJob):
     """One elastic run: its driver service, its Spark job of worker tasks, their supervision.
 
     Args:
@@ -67,6 +65,7 @@ class ElasticSparkJob(Launcher):
     def __init__(self, settings: ElasticConfig, env: dict[str, str] | None = None,
                  output: OutputForwarder | None = None,
                  say: Callable[[str], None] | None = None, spark: Any = None) -> None:
+        super().__init__()
         self.spark = spark if spark is not None else spark_launcher.active_session()
         self.settings = settings
         self.num_proc = settings.num_proc
@@ -92,8 +91,6 @@ class ElasticSparkJob(Launcher):
                               f"hvd_spark.run_elastic of up to {settings.max_np} ranks",
                               self._frame,
                               lambda error: self.events.put(("spark_done", "", error)))
-        self.results: dict[str, tuple[int, bytes]] = {}
-        self._failures: list[WorkerFailure] = []
 
     # ------------------------------------------------------------------ service handlers
 
@@ -148,9 +145,9 @@ class ElasticSparkJob(Launcher):
                 if status == "ok":
                     self.results[worker_id] = (rank, payload)
                 elif not is_lost_peer_failure(payload):
-                    self._failures = [payload]
+                    self.failed = [payload]
                     self.stop()
-                    return self._failures
+                    return self.failed
             elif kind == "exit":
                 self.driver.worker_exited(worker_id, value)
             elif kind == "spark_done" and not self.driver.finished:
@@ -162,19 +159,8 @@ class ElasticSparkJob(Launcher):
             if self.driver.finished:
                 finished_at = finished_at or time.monotonic()
                 done = all(w in self.results for w in self.driver.members)
-                if done or time.monotonic() - finished_at > _FINISH_GRACE_S:
+                if done or time.monotonic() - finished_at > FINISH_GRACE_S:
                     return []
-
-    def collect(self) -> list[bytes]:
-        """The final ring's pickled results in rank order, after ``watch``.
-
-        Raises:
-            WorkerFailedError: A rank failed.
-            ElasticJobError: A member of the final ring ended without a result.
-        """
-        if self._failures:
-            raise WorkerFailedError(self._failures)
-        return results_in_rank_order(self.results, self.driver.members)
 
     def _lost(self) -> str:
         return "; ".join(f"worker {w} {why}" for w, why in self.driver.lost.items()) or "none"
