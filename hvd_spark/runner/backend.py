@@ -113,8 +113,11 @@ class LauncherBackend(Backend):
         return run_function(self.launcher, self.launcher.prepare(config), fn, args, kwargs)
 
     def _resolved(self) -> RunConfig:
+        # Only num_proc is kept: what else prepare resolves (use_gpu) stays the caller's.
         if self.config.num_proc is None:
-            self.config = self.launcher.prepare(self.config)
+            num_proc = self.launcher.prepare(self.config).num_proc
+            assert num_proc is not None
+            self.config = self.config.with_num_proc(num_proc)
         return self.config
 
     def num_processes(self) -> int:
@@ -123,7 +126,7 @@ class LauncherBackend(Backend):
         return num_proc
 
     def check(self) -> None:
-        self.config = self.launcher.prepare(self.config)
+        self.launcher.prepare(self._resolved())
 
     def with_options(self, **options: Any) -> LauncherBackend:
         unset = {k: v for k, v in options.items()
