@@ -125,6 +125,14 @@ def rank_variables(rank: int, size: int, local_rank: int, local_size: int, cross
     return {name: str(value) for names, value in values.items() for name in names}
 
 
+def launcher_variables(rendezvous_addr: str, secret: bytes, heartbeat_s: float,
+                       run_id: str) -> dict[str, str]:
+    """How a rank reaches its launcher: the store's address, the job's secret, the
+    heartbeat limit and the run's id (every launcher's ranks get these, elastic or not)."""
+    return {RENDEZVOUS_ADDR: rendezvous_addr, SECRET: secret.hex(), HEARTBEAT: str(heartbeat_s),
+            RUN_ID: run_id, "PYTHONUNBUFFERED": "1"}
+
+
 
 # torchrun's worker environment beyond the rank's own numbers (``rank_variables``): what
 # torch.distributed's env:// rendezvous, Lightning, accelerate and the Trainer read.

@@ -323,8 +323,9 @@ _FOREIGN_SIZE_VARS = ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD
 
 
 @dataclasses.dataclass(frozen=True)
-class WorldInfo:
-    """Where this process sits in the job, as the launcher assigned it.
+class RankPlace:
+    """Where one rank sits in the job: what a launcher assigns (``runner.rendezvous.RankInfo``)
+    and what the rank itself reads back (``WorldInfo``).
 
     Attributes:
         rank: Global rank, 0..size-1.
@@ -333,14 +334,6 @@ class WorldInfo:
         local_size: Number of ranks on this host.
         cross_rank: Index of this host among the hosts (ranks with the same local_rank).
         cross_size: Number of hosts.
-        rendezvous_addr: ``host:port`` of the launcher's authenticated rendezvous store
-            ("" when standalone).
-        secret: The job's random secret (bytes); proves membership on every connection.
-        hostname: Name used to group ranks by host.
-        advertise_addr: Address peers should dial to reach this rank; empty means the
-            local address of the connection to the rendezvous store.
-        standalone: No launcher started this process (a plain ``python train.py``):
-            a one-rank job with nobody to connect to.
     """
 
     rank: int
@@ -349,11 +342,6 @@ class WorldInfo:
     local_size: int
     cross_rank: int
     cross_size: int
-    rendezvous_addr: str
-    secret: bytes
-    hostname: str
-    advertise_addr: str = ""
-    standalone: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -368,6 +356,37 @@ class WorldInfo:
             raise ConfigError(
                 f"{_env.CROSS_RANK}={self.cross_rank} is outside 0..{self.cross_size - 1}"
             )
+
+    def variables(self, hostname: str) -> dict[str, str]:
+        """This place under every name a launcher exports (``_env.rank_variables``)."""
+        return _env.rank_variables(self.rank, self.size, self.local_rank, self.local_size,
+                                   self.cross_rank, self.cross_size, hostname)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldInfo(RankPlace):
+    """Where this process sits in the job, as the launcher assigned it (its ``RankPlace``)
+    and how it reaches the others.
+
+    Attributes:
+        rendezvous_addr: ``host:port`` of the launcher's authenticated rendezvous store
+            ("" when standalone).
+        secret: The job's random secret (bytes); proves membership on every connection.
+        hostname: Name used to group ranks by host.
+        advertise_addr: Address peers should dial to reach this rank; empty means the
+            local address of the connection to the rendezvous store.
+        standalone: No launcher started this process (a plain ``python train.py``):
+            a one-rank job with nobody to connect to.
+    """
+
+    rendezvous_addr: str
+    secret: bytes
+    hostname: str
+    advertise_addr: str = ""
+    standalone: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if len(self.secret) < 16:
             raise ConfigError(f"{_env.SECRET} must hold at least 16 random bytes (hex encoded)")
         if self.standalone and self.size != 1:

@@ -82,10 +82,11 @@ def recovery_seconds(sig: int, heartbeat_s: float) -> float:
     env = {"HVD_SPARK_HEARTBEAT_S": str(heartbeat_s)}
     watcher = _Watcher(kill_step=40, sig=sig)
     with open(os.devnull, "w") as sink:
-        with ElasticLocalJob(settings, command, env, cooldown=None, stdout=watcher,
-                             stderr=sink) as job:
+        with ElasticLocalJob(settings, env, cooldown=None, stdout=watcher, stderr=sink) as job:
             watcher.job = job
-            job.run()
+            job.start(command)
+            if job.watch():
+                raise RuntimeError("a worker of the recovery benchmark failed")
     if watcher.killed_at is None or watcher.resumed_at is None:
         raise RuntimeError("the run did not reach the kill or did not resume")
     return watcher.resumed_at - watcher.killed_at

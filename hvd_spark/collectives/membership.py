@@ -42,9 +42,9 @@ class Membership:
         except ValueError:
             raise ConfigError(f"{_env.SECRET} is not hex-encoded; the launcher sets it") from None
         self.hostname = _env.get_str(_env.HOSTNAME) or ""
-        self.start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
-        self.elastic_timeout = _env.get_float(_env.ELASTIC_TIMEOUT, DEFAULT_ELASTIC_TIMEOUT_S)
-        self._client = StoreClient(self.addr, self.secret, self.start_timeout)
+        self.start_timeout_s = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+        self.elastic_timeout_s = _env.get_float(_env.ELASTIC_TIMEOUT, DEFAULT_ELASTIC_TIMEOUT_S)
+        self._client = StoreClient(self.addr, self.secret, self.start_timeout_s)
         self.generation = 0
         self.version = 0
         #: torchrun's variables for the generation this worker last joined (``join``).
@@ -52,7 +52,7 @@ class Membership:
 
     def join(self) -> WorldInfo:
         """Wait for a place in the next generation; return this worker's world in it."""
-        budget = self.start_timeout + 2 * self.elastic_timeout + 10.0
+        budget = self.start_timeout_s + 2 * self.elastic_timeout_s + 10.0
         # This host's address and a port free here: torch.distributed's master for the
         # generation, should this worker be its rank 0.
         endpoint = (_env.get_str(_env.ADVERTISE_ADDR) or self._client.local_address,

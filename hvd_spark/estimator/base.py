@@ -32,7 +32,7 @@ from hvd_spark.estimator.params import SHARED_PARAMS, KeywordParams, define_para
 from hvd_spark.estimator.persistence import PickledReader, PickledWriter
 from hvd_spark.estimator.run_record import RunRecord
 from hvd_spark.estimator.train_spec import TrainSpec, batch_shape
-from hvd_spark.runner.backend import Backend, SparkBackend
+from hvd_spark.runner.backend import Backend, SparkBackend, as_backend
 from hvd_spark.runner.console import verbose_logging
 
 log = logging.getLogger(__name__)
@@ -194,13 +194,7 @@ class HvdEstimator(tracking.TrackedFit, Estimator, KeywordParams,
         if backend is None:
             return SparkBackend(num_proc, verbose=self.value("verbose"), use_gpu=use_gpu,
                                 **hooks)
-        if isinstance(backend, SparkBackend):
-            return backend.with_options(use_gpu=use_gpu, **hooks)
-        if not (callable(getattr(backend, "run", None))
-                and callable(getattr(backend, "num_processes", None))):
-            raise ConfigError(f"backend must be a Backend (run and num_processes methods), "
-                              f"got {type(backend).__name__}")
-        return backend
+        return as_backend(backend).with_options(use_gpu=use_gpu, **hooks)
 
     def _store(self) -> Store:
         store = self.value("store")
@@ -451,14 +445,7 @@ _SHIPPED_PARAMS = ("model", "optimizer", "loss", "loss_constructors", "metrics",
 
 def _check_slots(backend: Backend) -> None:
     """Refuse num_proc above the cluster's task slots before any data is written."""
-    if isinstance(backend, SparkBackend):
-        from hvd_spark.runner.spark.spark_launcher import (
-            active_session,
-            check_cluster,
-            cluster_context,
-        )
-
-        check_cluster(cluster_context(active_session()), backend.num_processes())
+    backend.check()
 
 
 def define(cls: type, extra_specs: list, base: list | None = None) -> type:

@@ -33,7 +33,8 @@ _STRS, _FLOATS = TypeConverters.toListString, TypeConverters.toListFloat
 SHARED_PARAMS: list[tuple[str, str, Any, Any]] = [
     ("num_proc", "number of ranks (default: the cluster's task slots); not with backend",
      _INT, None),
-    ("backend", "a Backend (SparkBackend) that runs the training; not with num_proc", _ANY, None),
+    ("backend", "a Backend (SparkBackend, or LauncherBackend over any Launcher) that runs "
+                "the training; not with num_proc", _ANY, None),
     ("store", "Store (or path/URL) for data, checkpoints and logs", _ANY, None),
     ("model", "the model to train (framework object)", _ANY, None),
     ("optimizer", "the optimizer (framework object)", _ANY, None),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,13 +20,12 @@ from hvd_spark.errors import WorkerFailedError
 from hvd_spark.estimator.step_checkpoints import ResumePoint, resume_point
 from hvd_spark.estimator.train_spec import TrainSpec
 from hvd_spark.runner import mlflow_inputs
-from hvd_spark.runner.backend import Backend, SparkBackend
+from hvd_spark.runner.backend import Backend
 
 log = logging.getLogger("hvd_spark.estimator")
 
 #: How long a retry waits for the cluster to have as many task slots as the first run.
 SLOT_WAIT_S = 90.0
-_POLL_S = 1.0
 
 
 def recoverable(err: WorkerFailedError) -> bool:
@@ -40,22 +38,6 @@ def describe_loss(err: WorkerFailedError) -> str:
     """``rank 1 on host X lost: executor 3 lost (...)`` for the driver's log."""
     root = err.root_cause
     return f"rank {root.rank} on host {root.host} lost: {root.message}"
-
-
-def backend_for_retry(backend: Backend, wanted: int,
-                      wait_s: float = SLOT_WAIT_S) -> Backend:
-    """``backend`` once the cluster has ``wanted`` task slots again, or a SparkBackend of
-    the slots there are when ``wait_s`` passes (at least one, else the loss is final)."""
-    if not isinstance(backend, SparkBackend):
-        return backend  # a custom launcher decides for itself
-    deadline = time.monotonic() + wait_s
-    slots = backend.available_slots()
-    while slots < wanted and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
-        slots = backend.available_slots()
-    if slots < 1:
-        return backend  # nothing to shrink to: the retry's own slot check will say so
-    return backend.with_num_proc(min(slots, wanted))
 
 
 def run_with_retries(backend: Backend, worker: Callable, spec: TrainSpec, payload: Any,
@@ -97,7 +79,7 @@ def run_with_retries(backend: Backend, worker: Callable, spec: TrainSpec, payloa
                              f"(max_retries={max_retries}); raise max_retries to go on")
                 raise
             attempt += 1
-            backend = backend_for_retry(backend, wanted)
+            backend = backend.for_retry(wanted, SLOT_WAIT_S)
             point = _resume_point(spec)
             where = (point.describe() if spec.store is not None
                      else "the first epoch (no store: no checkpoint to resume from)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -10,13 +11,13 @@ import sys
 
 from hvd_spark import _env
 from hvd_spark._version import __version__
-from hvd_spark.config import DEFAULT_START_TIMEOUT_S
 from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
 from hvd_spark.runner.elastic.elastic_local import DEFAULT_COOLDOWN_S, ElasticLocalJob
+from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.local import ssh_launcher
-from hvd_spark.runner.local.local_launcher import run_command
-from hvd_spark.runner.local.mpi_launcher import run_mpirun
-from hvd_spark.runner.run_config import ElasticConfig, RunConfig, Timeouts, heartbeat_limit
+from hvd_spark.runner.local.local_launcher import LocalJob
+from hvd_spark.runner.local.mpi_launcher import MpiJob
+from hvd_spark.runner.run_config import ElasticConfig, RunConfig
 
 # What a shell exits with for a command it cannot find / cannot execute.
 EXIT_NOT_FOUND = 127
@@ -73,7 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         try:
             args.settings = ElasticConfig.from_kwargs(
                 args.num_proc, args.min_np, args.max_np,
-                start_timeout=args.config.timeouts.start_timeout,
+                start_timeout=args.config.timeouts.start_timeout_s,
                 elastic_timeout=args.elastic_timeout, reset_limit=args.reset_limit)
         except ConfigError as exc:
             parser.error(str(exc).replace("min_np", "--min-np").replace("max_np", "--max-np")
@@ -83,22 +84,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    """hvdrun's options as a ``RunConfig``: ``--timeout`` bounds the start and every
-    collective (the ranks read it from their environment), ``--network-interface``
-    names the ranks' interface.
+    """hvdrun's options as a ``RunConfig`` (built by ``RunConfig.from_kwargs``, as every
+    launcher's): ``--timeout`` bounds the start and every collective (the ranks read it
+    from their environment), ``--network-interface`` names the ranks' interface.
 
     Raises:
         ConfigError: A timeout that is not positive seconds.
     """
-    timeouts = Timeouts(start_timeout=args.timeout or DEFAULT_START_TIMEOUT_S,
-                        collective_timeout=args.timeout, heartbeat_s=heartbeat_limit({}))
     env = {}
-    if timeouts.collective_timeout is not None:
-        env[_env.TIMEOUT] = str(timeouts.collective_timeout)
-        env[_env.START_TIMEOUT] = str(timeouts.collective_timeout)
+    if args.timeout is not None:
+        env[_env.TIMEOUT] = env[_env.START_TIMEOUT] = str(args.timeout)
     if args.nics:
         env[_env.IFACE] = ",".join(args.nics)
-    return RunConfig(num_proc=args.num_proc, env=env, timeouts=timeouts)
+    config = RunConfig.from_kwargs(where="hvdrun", num_proc=args.num_proc, env=env,
+                                   start_timeout=args.timeout)
+    return dataclasses.replace(config, timeouts=dataclasses.replace(
+        config.timeouts, collective_timeout_s=args.timeout))
 
 
 def _command_problem(program: str) -> tuple[int, str] | None:
@@ -122,60 +123,47 @@ def main(argv: list[str] | None = None) -> int:
         code, line = problem
         print(f"hvdrun: cannot run {line}", file=sys.stderr)
         return code
-    if args.hosts or args.hostfile:
-        return _run_hosts(args)
-    if args.elastic:
-        return _run_elastic(args)
-    if args.mpi:
-        return _run_mpi(args)
     try:
-        failures = run_command(args.command, args.config)
+        job = _launcher(args)
+    except ConfigError as exc:  # no mpirun, a bad host list, a host ssh cannot reach
+        print(f"hvdrun: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with job:
+            job.start(args.command)
+            failures = job.watch()
     except OSError as exc:  # the program vanished or lost its permissions after the check
         print(f"hvdrun: cannot run {args.command[0]}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_NOT_EXECUTABLE
-    if failures:
-        error = WorkerFailedError(failures)
-        print(f"hvdrun: {error}", file=sys.stderr)
-        return error.root_cause.shell_exit_code()
-    return 0
-
-
-def _run_hosts(args: argparse.Namespace) -> int:
-    try:
-        failures = ssh_launcher.run_on_hosts(
-            args.command, ssh_launcher.host_slots_from(args), args.config, args.ssh_port,
-            args.ssh_identity_file)
-    except ConfigError as exc:
-        print(f"hvdrun: {exc}", file=sys.stderr)
-        return 2
-    if failures:
-        error = WorkerFailedError(failures)
-        print(f"hvdrun: {error}", file=sys.stderr)
-        return error.root_cause.shell_exit_code()
-    return 0
-
-
-def _run_mpi(args: argparse.Namespace) -> int:
-    try:
-        return run_mpirun(args.command, args.config)
-    except ConfigError as exc:  # no mpirun, or one we do not know
-        print(f"hvdrun: {exc}", file=sys.stderr)
-        return 1
-
-
-def _run_elastic(args: argparse.Namespace) -> int:
-    cooldown = DEFAULT_COOLDOWN_S if args.cooldown is None else args.cooldown
-    try:
-        with ElasticLocalJob(args.settings, args.command, dict(args.config.env),
-                             cooldown=None if cooldown < 0 else cooldown) as job:
-            job.run()
     except ElasticJobError as exc:
         print(f"hvdrun: elastic job failed: {exc}", file=sys.stderr)
         return 1
-    except WorkerFailedError as exc:
-        print(f"hvdrun: {exc}", file=sys.stderr)
-        return exc.root_cause.shell_exit_code()
+    if failures:
+        error = WorkerFailedError(failures)
+        print(f"hvdrun: {error}", file=sys.stderr)
+        return error.root_cause.shell_exit_code()
     return 0
+
+
+def _launcher(args: argparse.Namespace) -> Launcher:
+    """The launcher hvdrun's options ask for: hosts over ssh, an elastic job, mpirun, or
+    local processes.
+
+    Raises:
+        ConfigError: -H with --mpi or the elastic options, no mpirun, or a host that does
+            not answer ssh.
+    """
+    host_slots = ssh_launcher.host_slots_from(args)
+    if host_slots is not None:
+        return ssh_launcher.hosts_job(host_slots, args.config, args.ssh_port,
+                                      args.ssh_identity_file)
+    if args.elastic:
+        cooldown = DEFAULT_COOLDOWN_S if args.cooldown is None else args.cooldown
+        return ElasticLocalJob(args.settings, dict(args.config.env),
+                               cooldown=None if cooldown < 0 else cooldown)
+    if args.mpi:
+        return MpiJob(args.config)
+    return LocalJob(args.config)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
-import sys
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
@@ -15,48 +12,15 @@ import cloudpickle
 
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import mlflow_env, mlflow_inputs, worker
+from hvd_spark.runner import mlflow_inputs, worker
 from hvd_spark.runner.console import verbose_logging
-from hvd_spark.runner.output import OutputForwarder
-from hvd_spark.runner.run_config import RunConfig
+from hvd_spark.runner.run_config import RunConfig, horovod_keywords
 from hvd_spark.runner.spark import spark_launcher
-from hvd_spark.runner.spark.driver_service import DriverService
-from hvd_spark.runner.spark.spark_task import TaskSpec
+from hvd_spark.runner.spark.spark_launcher import SparkJob
+
+__all__ = ["RunReport", "horovod_keywords", "run", "run_local", "run_with_report"]
 
 log = logging.getLogger("hvd_spark.runner")
-
-
-def horovod_keywords(env: dict[str, str] | None, *, extra_mpi_args: str | None,
-                     nics: Sequence[str] | str | None, executable: str | None,
-                     use_mpi: bool | None, use_gloo: bool | None) -> dict[str, str] | None:
-    """Apply Horovod's launcher keywords that mean something here; log the others once.
-
-    Returns ``env``, with ``HVD_SPARK_IFACE`` added when ``nics`` names an interface.
-    """
-    if use_mpi and use_gloo:
-        raise ConfigError("use_mpi and use_gloo are both True; Horovod accepts one at most")
-    if use_mpi:
-        log.info("hvd_spark.run: use_mpi=True is ignored: under Spark the ranks always "
-                 "connect through hvd_spark's TCP ring (there is no mpirun to start)")
-    if use_gloo is False and not use_mpi:
-        log.info("hvd_spark.run: use_gloo=False is ignored: the TCP ring is the only "
-                 "controller under Spark")
-    if extra_mpi_args:
-        log.info("hvd_spark.run: extra_mpi_args=%r is ignored: no MPI launcher runs under "
-                 "Spark", extra_mpi_args)
-    if executable is not None:
-        log.info("hvd_spark.run: executable=%r is ignored: each rank runs in its Spark "
-                 "task's Python (set spark.pyspark.python or PYSPARK_PYTHON)", executable)
-    if nics:
-        names = [nics] if isinstance(nics, str) else sorted(nics)
-        bad = [n for n in names if not isinstance(n, str) or not n]
-        if bad:
-            raise ConfigError(f"nics must be interface names (str), got {nics!r}")
-        if len(names) > 1:
-            log.info("hvd_spark.run: nics=%r: the ranks advertise the address of %r "
-                     "(one interface is used)", nics, names[0])
-        env = {**(env or {}), _env.IFACE: names[0]}
-    return env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,87 +120,66 @@ def run(
             the other ranks were stopped and the Spark job cancelled.
         RendezvousTimeoutError: Not every task started within ``start_timeout``.
     """
-    env = horovod_keywords(env, extra_mpi_args=extra_mpi_args, nics=nics,
-                           executable=executable, use_mpi=use_mpi, use_gloo=use_gloo)
-    return run_with_report(
-        fn, args=args, kwargs=kwargs, num_proc=num_proc, start_timeout=start_timeout, env=env,
-        stdout=stdout, stderr=stderr, verbose=verbose, use_gpu=use_gpu,
-        prefix_output_with_timestamp=prefix_output_with_timestamp, progress=progress,
-        on_output=on_output, df=df,
-    ).results
-
-
-def run_with_report(
-    fn: Callable,
-    args: Sequence = (),
-    kwargs: dict | None = None,
-    num_proc: int | None = None,
-    start_timeout: float | None = None,
-    env: dict[str, str] | None = None,
-    stdout: IO[str] | None = None,
-    stderr: IO[str] | None = None,
-    verbose: int = 1,
-    use_gpu: bool | None = None,
-    prefix_output_with_timestamp: bool = False,
-    progress: Callable[[int, dict[str, Any]], None] | None = None,
-    on_output: Callable[[int, str, str], None] | None = None,
-    ranks_per_task: int = 1,
-    df: Any = None,
-) -> RunReport:
-    """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, with timings.
-
-    Same as ``run`` but returns a ``RunReport`` (results, hosts, timings); with
-    ``ranks_per_task`` each Spark task runs that many ranks (one per GPU of the task).
-    """
-    payload = worker.pickle_job(fn, args, kwargs)
     config = RunConfig.from_kwargs(
         num_proc=num_proc, start_timeout=start_timeout, env=env, stdout=stdout, stderr=stderr,
         verbose=verbose, use_gpu=use_gpu, prefix_output_with_timestamp=prefix_output_with_timestamp,
-        progress=progress, on_output=on_output, ranks_per_task=ranks_per_task)
-    with verbose_logging(verbose):
+        extra_mpi_args=extra_mpi_args, nics=nics, executable=executable, use_mpi=use_mpi,
+        use_gloo=use_gloo, progress=progress, on_output=on_output)
+    return run_with_report(fn, args, kwargs, config, df).results
+
+
+def run_with_report(fn: Callable, args: Sequence = (), kwargs: dict | None = None,
+                    config: RunConfig | None = None, df: Any = None,
+                    **options: Any) -> RunReport:
+    """Run ``fn(*args, **kwargs)`` on Spark barrier tasks, with timings.
+
+    Same as ``run`` but returns a ``RunReport`` (results, hosts, timings).
+
+    Args:
+        fn: The function each rank runs.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+        config: The run's settings, built once (``RunConfig.from_kwargs``); with
+            ``ranks_per_task`` each Spark task runs that many ranks (one per GPU of the
+            task).
+        df: As ``run``'s.
+        **options: Instead of ``config``: ``hvd_spark.run``'s keywords.
+
+    Raises:
+        ConfigError: Both ``config`` and ``options``, or a bad option.
+    """
+    if config is not None and options:
+        raise ConfigError(f"run_with_report: give config or {sorted(options)}, not both")
+    if config is None:
+        config = RunConfig.from_kwargs(**options)
+    payload = worker.pickle_job(fn, args, kwargs)
+    with verbose_logging(config.verbose):
         return _run_with_report(payload, config, df)
 
 
 def _run_with_report(payload: bytes, config: RunConfig, df: Any = None) -> RunReport:
-    # The driver's MLflow run reaches the ranks; the caller's env wins over it.
-    user_env = {**mlflow_env.driver_env(), **config.env}
-    timeout = config.timeouts.start_timeout
-    spark = spark_launcher.active_session()
-    sc = spark_launcher.cluster_context(spark)  # a SparkContext, or its Connect stand-in
-    # Default: every task slot, as many ranks as the cluster runs at once.
-    per_task = config.ranks_per_task
-    num_proc = (spark_launcher.task_slots(sc) * per_task if config.num_proc is None
-                else config.num_proc)
-    config = config.with_num_proc(num_proc)  # checked again: the default comes from Spark
-    gpu = spark_launcher.resolve_use_gpu(sc, config.use_gpu)
-    spark_launcher.check_cluster(sc, num_proc // per_task)
+    config = SparkJob.prepare(config)  # num_proc's default comes from the cluster
+    num_proc = config.num_proc
+    assert num_proc is not None
     data = None
     if df is not None:
-        if per_task != 1:
+        if config.ranks_per_task != 1:
             raise ConfigError("df= needs one rank per Spark task (ranks_per_task=1): each "
                               "task hands its partition of the DataFrame to its rank")
         from hvd_spark.data.shares import prepare_shares  # pyarrow, pandas: only with df
 
         data = prepare_shares(df, num_proc)  # the columns are checked before anything runs
         mlflow_inputs.log_dataframe_input(df)  # with an active MLflow run: its lineage
-    bind_host, advertise_host = spark_launcher.driver_hosts(sc)
     level = logging.INFO if config.verbose >= 1 else logging.DEBUG
-    output = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr,
-                             timestamps=config.prefix_output_with_timestamp,
-                             tee=config.on_output)
-    secret = secrets.token_bytes(32)
     started = time.monotonic()
-    with DriverService(num_proc, secret, bind_host, advertise_host, output,
-                       progress=config.progress) as service:
-        spec = TaskSpec(service.addr, secret, timeout, user_env, gpu, uuid.uuid4().hex[:12],
-                        ranks_per_task=per_task, with_share=data is not None)
-        launch = spark_launcher.SparkLaunch(spark, service, spec, config.timeouts, data)
-        launch.publish(payload)
+    with SparkJob(config, data) as job:
+        job.publish(payload)
         log.log(level, "hvd_spark.run: starting %d ranks (job group %s, service %s)",
-                num_proc, launch.job_group, service.addr)
+                num_proc, job.job_group, job.service.addr)
         submitted_at = time.time()
-        launch.start()
-        payloads = launch.wait()
+        job.start()
+        payloads = job.wait()
+        service = job.service
         report = RunReport(
             results=[cloudpickle.loads(p) for p in payloads],
             hosts=service.hosts,

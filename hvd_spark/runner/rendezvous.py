@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from hvd_spark.config import RankPlace
 from hvd_spark.errors import ConfigError
 
 
@@ -30,17 +31,14 @@ class TaskSlot:
     host: str
 
 
-@dataclasses.dataclass(frozen=True)
-class RankInfo:
-    """Where one task's rank sits in the job.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankInfo(RankPlace):
+    """Where one task's rank sits in the job: its ``RankPlace`` (rank, size, local and
+    cross rank and size), and what the launcher knows besides.
 
     Attributes:
         partition: The Spark partition the rank runs in.
         host: The host it runs on.
-        rank, size: Global rank and world size.
-        local_rank, local_size: Rank among the ranks on this host, and their number.
-        cross_rank, cross_size: Index of this host among the hosts having a rank with
-            this ``local_rank``, and their number.
         host_gpus: The GPU addresses of the job's tasks on this host, in CUDA device order
             (``gpu_mapping.host_gpu_order``); empty without GPU scheduling.
         gpu_index: Index in ``host_gpus`` of the rank's own (first) GPU; None without one.
@@ -54,12 +52,6 @@ class RankInfo:
 
     partition: int
     host: str
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
     host_gpus: tuple[str, ...] = ()
     gpu_index: int | None = None
     node_rank: int = 0

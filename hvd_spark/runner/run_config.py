@@ -9,9 +9,10 @@ Nothing here imports pyspark or starts anything.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from hvd_spark import _env
@@ -21,8 +22,11 @@ from hvd_spark.errors import ConfigError
 
 #: Seconds an elastic ring may take to re-form after a loss (``HVD_SPARK_ELASTIC_TIMEOUT``).
 DEFAULT_ELASTIC_TIMEOUT_S = 600.0
-#: Seconds ``Launcher.stop`` gives the ranks to end before it kills what is left.
+#: Seconds between asking a rank to stop and killing it: ``Launcher.stop``, a Spark task
+#: reaping its rank, ``remote_rank`` on an ssh host (the one stop grace of every launcher).
 DEFAULT_STOP_GRACE_S = 3.0
+
+log = logging.getLogger("hvd_spark.runner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,33 +34,35 @@ class Timeouts:
     """Every deadline of one run, in seconds.
 
     Attributes:
-        start_timeout: For every rank's task to start and register (not for a started
+        start_timeout_s: For every rank's task to start and register (not for a started
             rank's imports before ``init()``, as in Horovod).
-        elastic_timeout: For a broken elastic ring to re-form.
+        elastic_timeout_s: For a broken elastic ring to re-form.
         heartbeat_s: Silence after which a rank counts as lost (0: off).
-        collective_timeout: What one collective may wait for its peers (``hvdrun
+        collective_timeout_s: What one collective may wait for its peers (``hvdrun
             --timeout``; None: the ranks' own default, ``HVD_SPARK_TIMEOUT``).
-        stop_grace: Between asking the ranks to stop and killing them.
+        stop_grace_s: Between asking the ranks to stop and killing them.
     """
 
-    start_timeout: float = DEFAULT_START_TIMEOUT_S
-    elastic_timeout: float = DEFAULT_ELASTIC_TIMEOUT_S
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    elastic_timeout_s: float = DEFAULT_ELASTIC_TIMEOUT_S
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    collective_timeout: float | None = None
-    stop_grace: float = DEFAULT_STOP_GRACE_S
+    collective_timeout_s: float | None = None
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S
 
     def __post_init__(self) -> None:
+        # The messages name the public keywords (start_timeout=, hvdrun --timeout).
         for name in ("start_timeout", "elastic_timeout"):
-            if not _is_number(getattr(self, name)) or not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)}")
+            value = getattr(self, f"{name}_s")
+            if not _is_number(value) or not value > 0:
+                raise ConfigError(f"{name} must be positive seconds, got {value}")
         if not _is_number(self.heartbeat_s) or self.heartbeat_s < 0:
             raise ConfigError(f"heartbeat_s must be >= 0 (0: off), got {self.heartbeat_s}")
-        if self.collective_timeout is not None and not (
-                _is_number(self.collective_timeout) and self.collective_timeout > 0):
+        if self.collective_timeout_s is not None and not (
+                _is_number(self.collective_timeout_s) and self.collective_timeout_s > 0):
             raise ConfigError(
-                f"timeout must be positive seconds, got {self.collective_timeout}")
-        if not _is_number(self.stop_grace) or self.stop_grace < 0:
-            raise ConfigError(f"stop_grace must be >= 0 seconds, got {self.stop_grace}")
+                f"timeout must be positive seconds, got {self.collective_timeout_s}")
+        if not _is_number(self.stop_grace_s) or self.stop_grace_s < 0:
+            raise ConfigError(f"stop_grace_s must be >= 0 seconds, got {self.stop_grace_s}")
 
     @classmethod
     def for_run(cls, start_timeout: float | None = None,
@@ -71,7 +77,7 @@ class Timeouts:
         """
         if start_timeout is None:
             start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
-        return cls(start_timeout=_seconds(start_timeout, "start_timeout"),
+        return cls(start_timeout_s=_seconds(start_timeout, "start_timeout"),
                    heartbeat_s=heartbeat_limit(env or {}))
 
 
@@ -85,6 +91,47 @@ def heartbeat_limit(user_env: Mapping[str, str]) -> float:
             raise ConfigError(
                 f"{_env.HEARTBEAT}={value!r} in env is not a number of seconds") from None
     return _env.get_float(_env.HEARTBEAT, DEFAULT_HEARTBEAT_S)
+
+
+def horovod_keywords(env: Mapping[str, str] | None, *, extra_mpi_args: str | None = None,
+                     nics: Sequence[str] | str | None = None, executable: str | None = None,
+                     use_mpi: bool | None = None,
+                     use_gloo: bool | None = None) -> dict[str, str] | None:
+    """Apply Horovod's launcher keywords that mean something here; log the others once.
+
+    Returns ``env``, with ``HVD_SPARK_IFACE`` added when ``nics`` names an interface.
+
+    Raises:
+        ConfigError: Both ``use_mpi`` and ``use_gloo``, or ``nics`` that are not names.
+    """
+    if use_mpi and use_gloo:
+        raise ConfigError("use_mpi and use_gloo are both True; Horovod accepts one at most")
+    if use_mpi:
+        log.info("hvd_spark.run: use_mpi=True is ignored: under Spark the ranks always "
+                 "connect through hvd_spark's TCP ring (there is no mpirun to start)")
+    if use_gloo is False and not use_mpi:
+        log.info("hvd_spark.run: use_gloo=False is ignored: the TCP ring is the only "
+                 "controller under Spark")
+    if extra_mpi_args:
+        log.info("hvd_spark.run: extra_mpi_args=%r is ignored: no MPI launcher runs under "
+                 "Spark", extra_mpi_args)
+    if executable is not None:
+        log.info("hvd_spark.run: executable=%r is ignored: each rank runs in its Spark "
+                 "task's Python (set spark.pyspark.python or PYSPARK_PYTHON)", executable)
+    if nics:
+        names = [nics] if isinstance(nics, str) else sorted(nics)
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise ConfigError(f"nics must be interface names (str), got {nics!r}")
+        if len(names) > 1:
+            log.info("hvd_spark.run: nics=%r: the ranks advertise the address of %r "
+                     "(one interface is used)", nics, names[0])
+        return {**(env or {}), _env.IFACE: names[0]}
+    return None if env is None else dict(env)
+
+
+#: ``hvd_spark.run``'s keywords that only Horovod's callers pass (see ``horovod_keywords``).
+HOROVOD_KEYWORDS = ("extra_mpi_args", "nics", "executable", "use_mpi", "use_gloo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +182,35 @@ class RunConfig:
             raise ConfigError(f"verbose must be 0, 1 or 2, got {self.verbose!r}")
 
     @classmethod
+    def keywords(cls) -> list[str]:
+        """The keywords ``from_kwargs`` takes: ``hvd_spark.run``'s options, all of them."""
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "timeouts"]
+        return sorted([*fields, "start_timeout", *HOROVOD_KEYWORDS])
+
+    @classmethod
     def from_kwargs(cls, *, start_timeout: float | None = None,
-                    env: Mapping[str, str] | None = None, **kwargs: Any) -> RunConfig:
-        """Build from ``hvd_spark.run``'s keyword arguments (``start_timeout`` included).
+                    env: Mapping[str, str] | None = None, where: str = "hvd_spark.run",
+                    **kwargs: Any) -> RunConfig:
+        """Build from ``hvd_spark.run``'s keyword arguments: the one place they are checked.
+
+        ``start_timeout`` and the heartbeat limit get their defaults (``Timeouts.for_run``),
+        Horovod's launcher keywords are applied (``horovod_keywords``).
+
+        Args:
+            start_timeout: Seconds for every rank to start (None: the default).
+            env: Variables for every rank.
+            where: Who was given the keywords, for the message about an unknown one.
+            **kwargs: Any other keyword of ``hvd_spark.run`` (see ``keywords``).
 
         Raises:
-            ConfigError: Naming the bad argument.
+            ConfigError: Naming the bad argument, or listing the known ones.
         """
+        unknown = sorted(set(kwargs) - set(cls.keywords()))
+        if unknown:
+            raise ConfigError(f"{where} got unknown keyword(s) {unknown}; it takes "
+                              f"{cls.keywords()}")
+        horovod = {k: kwargs.pop(k) for k in HOROVOD_KEYWORDS if k in kwargs}
+        env = horovod_keywords(env, **horovod)
         config = cls(env=dict(env or {}), **kwargs)  # env is checked before it is read
         return dataclasses.replace(config, timeouts=Timeouts.for_run(start_timeout, config.env))
 
@@ -159,9 +228,9 @@ class ElasticConfig:
         min_np: Fewest workers the job may continue with.
         max_np: Most workers a generation may hold.
         reset_limit: Most re-formations after the first generation (None: no limit).
-        timeouts: ``start_timeout`` (the first generation waits that long for
+        timeouts: ``start_timeout_s`` (the first generation waits that long for
             ``num_proc`` workers, then starts with at least ``min_np``),
-            ``elastic_timeout`` (a broken generation waits that long for its survivors,
+            ``elastic_timeout_s`` (a broken generation waits that long for its survivors,
             or for new workers when fewer than ``min_np`` are left), ``heartbeat_s``.
     """
 
@@ -192,7 +261,7 @@ class ElasticConfig:
             ConfigError: Naming the bad argument (sizes first).
         """
         sizes = cls(num_proc, min_np, max_np, reset_limit)
-        timeouts = Timeouts(start_timeout=start_timeout, elastic_timeout=elastic_timeout,
+        timeouts = Timeouts(start_timeout_s=start_timeout, elastic_timeout_s=elastic_timeout,
                             heartbeat_s=heartbeat_s)
         return dataclasses.replace(sizes, timeouts=timeouts)
 
@@ -223,14 +292,14 @@ class ElasticConfig:
                       reset_limit=reset_limit, heartbeat_s=heartbeat_limit(env or {}))
 
     @property
-    def start_timeout(self) -> float:
+    def start_timeout_s(self) -> float:
         """Seconds the first generation waits for ``num_proc`` workers."""
-        return self.timeouts.start_timeout
+        return self.timeouts.start_timeout_s
 
     @property
-    def elastic_timeout(self) -> float:
+    def elastic_timeout_s(self) -> float:
         """Seconds a broken generation waits to re-form."""
-        return self.timeouts.elastic_timeout
+        return self.timeouts.elastic_timeout_s
 
     @property
     def heartbeat_s(self) -> float:

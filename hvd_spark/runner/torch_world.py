@@ -22,10 +22,24 @@ import socket
 from typing import Any
 
 from hvd_spark import _env
+from hvd_spark.runner.rendezvous import RankInfo
 
 #: Where rank 0 publishes ``(address, port)`` in the launcher's store, for launchers that
 #: cannot know rank 0's host before the ranks start (ssh hosts).
 STORE_KEY = "torch_master"
+
+
+def rank_world(info: RankInfo, run_id: str) -> dict[str, str]:
+    """A placed rank's variables, the one builder every fixed-size launcher uses: its place
+    under our, Horovod's and torch's names, and torchrun's world (with rank 0's endpoint
+    when ``info`` has it; else the rank learns it as it starts, ``fill_master``)."""
+    master = (info.master_addr, info.master_port) if info.master_port else (None, None)
+    return {
+        **info.variables(info.host),
+        **_env.torchrun_variables(rank=info.rank, size=info.size, node_rank=info.node_rank,
+                                  num_nodes=info.num_nodes, run_id=run_id,
+                                  master_addr=master[0], master_port=master[1]),
+    }
 
 
 def free_port(host: str = "") -> int:

@@ -1,42 +1,44 @@
 """Every launcher keeps the ``Launcher`` contract: the same checks, run against each one.
 
-Local processes, Spark barrier tasks on ``local[2]`` and ``mpirun`` need neither root
-nor sshd. The ssh launcher is the local launcher's subclass; its contract runs on real
-hosts in ``tests/multihost`` (network namespaces, root and sshd).
+Local processes, Spark barrier tasks on ``local[2]``, ``mpirun`` and the elastic jobs
+(local processes, Spark tasks) need neither root nor sshd. The ssh launcher is the local
+launcher's subclass; its contract runs on real hosts in ``tests/multihost`` (network
+namespaces, root and sshd).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import os
-import secrets
-import sys
 import time
-import uuid
-from collections.abc import Iterator
 
 import cloudpickle
 import pytest
 
 from hvd_spark.errors import WorkerFailedError
 from hvd_spark.runner import worker
-from hvd_spark.runner.launcher import Launcher
+from hvd_spark.runner.elastic.elastic_local import ElasticLocalJob
+from hvd_spark.runner.elastic.elastic_spark import ElasticSparkJob
 from hvd_spark.runner.local.local_launcher import LocalJob
 from hvd_spark.runner.local.mpi_launcher import MpiJob
-from hvd_spark.runner.output import OutputForwarder
-from hvd_spark.runner.run_config import RunConfig, Timeouts
-from hvd_spark.runner.spark.driver_service import DriverService
-from hvd_spark.runner.spark.spark_launcher import SparkLaunch
-from hvd_spark.runner.spark.spark_task import TaskSpec
+from hvd_spark.runner.run_config import ElasticConfig, RunConfig, Timeouts
+from hvd_spark.runner.spark.spark_launcher import SparkJob
 
 NUM_PROC = 2
 # A stopped rank is gone within the stop grace; Spark adds its task's kill and reap.
 STOP_DEADLINE_S = 15.0
-TIMEOUTS = Timeouts(start_timeout=60.0, heartbeat_s=10.0, stop_grace=2.0)
+TIMEOUTS = Timeouts(start_timeout_s=60.0, heartbeat_s=10.0, stop_grace_s=2.0)
 CONFIG = RunConfig(num_proc=NUM_PROC, timeouts=TIMEOUTS)
+ELASTIC = dataclasses.replace(
+    ElasticConfig(num_proc=NUM_PROC, min_np=NUM_PROC, max_np=NUM_PROC), timeouts=TIMEOUTS)
 
 
 def _rank() -> int:
+    if os.environ.get("HVD_SPARK_ELASTIC") == "1":
+        import hvd_spark.collectives as hvd
+
+        hvd.init()  # an elastic worker learns its rank by joining the ring
+        return hvd.rank()
     return int(os.environ["HVD_SPARK_RANK"])
 
 
@@ -92,7 +94,7 @@ class LauncherContract:
         with launcher() as job:
             job.publish(worker.pickle_job(write_pid_then_sleep, (str(tmp_path),), {}))
             job.start()
-            deadline = time.monotonic() + TIMEOUTS.start_timeout
+            deadline = time.monotonic() + TIMEOUTS.start_timeout_s
             while len(list(tmp_path.glob("*.pid"))) < NUM_PROC:
                 assert time.monotonic() < deadline, "the ranks did not start"
                 time.sleep(0.1)
@@ -117,17 +119,19 @@ class TestMpiLauncher(LauncherContract):
         return lambda: MpiJob(CONFIG)
 
 
+class TestElasticLocalLauncher(LauncherContract):
+    @pytest.fixture
+    def launcher(self):
+        return lambda: ElasticLocalJob(ELASTIC, cooldown=None)
+
+
+class TestElasticSparkLauncher(LauncherContract):
+    @pytest.fixture
+    def launcher(self, spark):
+        return lambda: ElasticSparkJob(ELASTIC, spark=spark)
+
+
 class TestSparkLauncher(LauncherContract):
     @pytest.fixture
     def launcher(self, spark):
-        @contextlib.contextmanager
-        def barrier_job() -> Iterator[Launcher]:
-            secret = secrets.token_bytes(32)
-            output = OutputForwarder(sys.stdout, sys.stderr)
-            with DriverService(NUM_PROC, secret, "127.0.0.1", "127.0.0.1", output) as service:
-                spec = TaskSpec(service.addr, secret, TIMEOUTS.start_timeout, {}, False,
-                                uuid.uuid4().hex[:12])
-                with SparkLaunch(spark, service, spec, TIMEOUTS) as launch:
-                    yield launch
-
-        return barrier_job
+        return lambda: SparkJob(CONFIG, spark=spark)

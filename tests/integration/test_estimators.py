@@ -319,26 +319,24 @@ def test_torch_fit_on_parquet_the_user_wrote_to_the_train_path(frames, tmp_path)
     assert _accuracy(fitted.transform(test), "label__output") > 0.9
 
 
-def test_torch_trains_through_a_custom_backend(frames, tmp_path):
-    from hvd_spark.runner.backend import Backend
-    from hvd_spark.runner.local.local_launcher import run_local
+def test_torch_trains_through_any_launcher(frames, tmp_path):
+    """The one seam: an Estimator's ranks start through a Launcher, here local processes
+    (LocalJob) behind the Backend adapter instead of Spark barrier tasks."""
+    from hvd_spark.runner.backend import LauncherBackend
+    from hvd_spark.runner.local.local_launcher import LocalJob
+    from hvd_spark.runner.run_config import RunConfig
 
-    class LocalBackend(Backend):  # Horovod's seam: training runs where the backend says
-        def __init__(self, num_proc):
-            self.calls = 0
-            self._num_proc = num_proc
+    class CountedLocalJob(LocalJob):
+        started: list[int] = []
 
-        def run(self, fn, args=(), kwargs=None, env=None):
-            self.calls += 1
-            return run_local(fn, args=args, kwargs=kwargs, num_proc=self._num_proc, env=env)
-
-        def num_processes(self):
-            return self._num_proc
+        def start(self, command=None):
+            type(self).started.append(self.num_proc)
+            super().start(command)
 
     train, test, _ = frames
-    backend = LocalBackend(2)
+    backend = LauncherBackend(CountedLocalJob, RunConfig.from_kwargs(num_proc=2, verbose=0))
     fitted = _torch_estimator(tmp_path, num_proc=None, backend=backend, epochs=2).fit(train)
-    assert backend.calls == 1
+    assert CountedLocalJob.started == [2]
     assert _accuracy(fitted.transform(test), "label__output") > 0.9
 
 

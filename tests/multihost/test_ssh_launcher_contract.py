@@ -15,7 +15,7 @@ from hvd_spark.runner.local.hosts import HostSlots, place_ranks
 from hvd_spark.runner.local.ssh_launcher import SSH_OPTS, SshJob
 from netns_cluster import hosts as netns_hosts
 from netns_cluster import services as netns_services
-from tests.contract.test_launcher_contract import NUM_PROC, TIMEOUTS, LauncherContract
+from tests.contract.test_launcher_contract import CONFIG, NUM_PROC, LauncherContract
 from tests.multihost.conftest import require_namespaces
 
 
@@ -38,4 +38,4 @@ class TestSshLauncher(LauncherContract):
         net, servers = ssh_servers
         monkeypatch.setenv(SSH_OPTS, servers.client_opts)
         placement = place_ranks([HostSlots(addr, 1) for addr in net.addrs], NUM_PROC)
-        return lambda: SshJob(placement, ssh_identity=servers.identity, timeouts=TIMEOUTS)
+        return lambda: SshJob(CONFIG, placement, ssh_identity=servers.identity)

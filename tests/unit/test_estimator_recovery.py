@@ -12,7 +12,7 @@ import torch
 from hvd_spark.data.store import Store
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.estimator import KerasEstimator, TorchEstimator
-from hvd_spark.estimator.recovery import backend_for_retry, recoverable, run_with_retries
+from hvd_spark.estimator.recovery import recoverable, run_with_retries
 from hvd_spark.estimator.step_checkpoints import (
     ResumePoint,
     read_step_checkpoint,
@@ -158,12 +158,43 @@ class _Slots(SparkBackend):
 
 def test_retry_waits_for_the_slots_to_come_back():
     backend = _Slots([1, 1, 2])
-    assert backend_for_retry(backend, 2, wait_s=30).num_processes() == 2
+    assert backend.for_retry(2, wait_s=30).num_processes() == 2
     assert backend.slots == [2]  # it looked until the replacement executor was there
 
 
 def test_retry_goes_on_with_the_slots_that_remain_after_the_deadline():
     started = time.monotonic()
-    shrunk = backend_for_retry(_Slots([1]), 2, wait_s=1.5)
+    shrunk = _Slots([1]).for_retry(2, wait_s=1.5)
     assert shrunk.num_processes() == 1
     assert 1.5 <= time.monotonic() - started < 10
+
+
+def test_the_spark_backend_is_a_launcher_backend_over_spark_jobs():
+    from hvd_spark.runner.backend import LauncherBackend
+    from hvd_spark.runner.spark.spark_launcher import SparkJob
+
+    backend = SparkBackend(num_proc=3, verbose=0, env={"A": "1"})
+    assert isinstance(backend, LauncherBackend) and backend.launcher is SparkJob
+    hooked = backend.with_options(use_gpu=False, verbose=2, progress=print)
+    # What the user set stays; what they left unset the Estimator fills in.
+    assert (hooked.config.verbose, hooked.config.use_gpu, hooked.config.progress) == (
+        0, False, print)
+    assert backend.config.use_gpu is None and hooked.num_processes() == 3
+
+
+def test_a_duck_typed_backend_only_runs():
+    from hvd_spark.runner.backend import as_backend
+
+    class Horovods:
+        def run(self, fn, args=(), kwargs=None, env=None):
+            return [fn(*args)]
+
+        def num_processes(self):
+            return 1
+
+    adapted = as_backend(Horovods())
+    assert adapted.run(lambda x: x + 1, args=(1,)) == [2]
+    adapted.check()  # nothing to check
+    assert adapted.for_retry(2, wait_s=0) is adapted
+    with pytest.raises(ConfigError, match="backend must be a Backend"):
+        as_backend("spark")

@@ -57,7 +57,8 @@ def test_no_gpus_means_no_placement():
 
 def test_the_rank_environment_under_use_gpu():
     info = _placed([("h", ["5"]), ("h", ["2"])])[1]
-    spec = TaskSpec("10.0.0.1:5000", b"k" * 32, 30.0, {_env.GPU_INDEX: "7"}, True, "run1")
+    spec = TaskSpec(driver_addr="10.0.0.1:5000", secret=b"k" * 32, start_timeout_s=30.0,
+                    heartbeat_s=10.0, env={_env.GPU_INDEX: "7"}, use_gpu=True, run_id="run1")
     env = child_env({"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"}, spec, info, rank_gpus(spec, info),
                     ["2"])
     assert env["CUDA_VISIBLE_DEVICES"] == "5,2" and env[_env.GPU_INDEX] == "1"
@@ -66,14 +67,16 @@ def test_the_rank_environment_under_use_gpu():
     # The executor's own device order wins; without use_gpu nothing about devices is set.
     kept = child_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, spec, info, ["5", "2"], ["2"])
     assert kept["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
-    plain = TaskSpec("10.0.0.1:5000", b"k" * 32, 30.0, {_env.GPU_INDEX: "7"}, False, "run1")
+    plain = TaskSpec(driver_addr="10.0.0.1:5000", secret=b"k" * 32, start_timeout_s=30.0,
+                     heartbeat_s=10.0, env={_env.GPU_INDEX: "7"}, use_gpu=False, run_id="run1")
     env = child_env({"CUDA_VISIBLE_DEVICES": "0,1"}, plain, info, rank_gpus(plain, info), ["2"])
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and _env.GPU_INDEX not in env
 
 
 def test_a_rank_without_a_gpu_sees_none_of_its_hosts():
     infos = _placed([("h", ["0"]), ("h", [])])
-    spec = TaskSpec("10.0.0.1:5000", b"k" * 32, 30.0, {}, True, "run1")
+    spec = TaskSpec(driver_addr="10.0.0.1:5000", secret=b"k" * 32, start_timeout_s=30.0,
+                    heartbeat_s=10.0, env={}, use_gpu=True, run_id="run1")
     assert rank_gpus(spec, infos[0]) == ["0"] and rank_gpus(spec, infos[1]) == []
     env = child_env({}, spec, infos[1], rank_gpus(spec, infos[1]), [])
     assert env["CUDA_VISIBLE_DEVICES"] == "" and _env.GPU_INDEX not in env
@@ -105,7 +108,8 @@ def test_the_driver_answers_each_task_with_its_hosts_order():
 
 
 def test_elastic_workers_keep_the_executors_devices_and_learn_their_own():
-    spec = ElasticTaskSpec("10.0.0.1:5000", b"k" * 32, 30.0, 60.0, 10.0, {}, "run1")
+    spec = ElasticTaskSpec(driver_addr="10.0.0.1:5000", secret=b"k" * 32, start_timeout_s=30.0,
+                           elastic_timeout_s=60.0, heartbeat_s=10.0, env={}, run_id="run1")
     env = worker_env({"CUDA_VISIBLE_DEVICES": "4,6", _env.GPU_INDEX: "9"}, spec, "0.0", "h",
                      ["6"])
     assert env["CUDA_VISIBLE_DEVICES"] == "4,6" and env[_env.TASK_GPUS] == "6"

@@ -33,7 +33,8 @@ def test_local_rank_env():
 
 
 def test_spark_child_env_on_two_hosts():
-    spec = TaskSpec("10.0.0.1:5000", b"k" * 32, 30.0, {"RANK": "99"}, False, "run1")
+    spec = TaskSpec(driver_addr="10.0.0.1:5000", secret=b"k" * 32, start_timeout_s=30.0,
+                    heartbeat_s=10.0, env={"RANK": "99"}, use_gpu=False, run_id="run1")
     infos = assign_ranks([TaskSlot(0, "a"), TaskSlot(1, "b"), TaskSlot(2, "a")])
     env = child_env({}, spec, infos[2], None)  # partition 2 is rank 1: host a's second rank
     assert (env["HOROVOD_RANK"], env["RANK"], env["HOROVOD_SIZE"], env["WORLD_SIZE"]) == (

@@ -67,7 +67,8 @@ def test_bad_registrations_are_rejected():
 
 
 def test_child_env_sets_the_rank_and_keeps_the_executor_and_user_variables():
-    spec = TaskSpec("10.0.0.1:5000", b"k" * 32, 30.0, {"USER_VAR": "1"}, True, "run1")
+    spec = TaskSpec(driver_addr="10.0.0.1:5000", secret=b"k" * 32, start_timeout_s=30.0,
+                    heartbeat_s=10.0, env={"USER_VAR": "1"}, use_gpu=True, run_id="run1")
     info = assign_ranks([TaskSlot(0, "a"), TaskSlot(1, "b")])[1]
     env = child_env({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1"}, spec, info, ["1"])
     assert env["PATH"] == "/bin" and env["USER_VAR"] == "1"

@@ -57,9 +57,11 @@ def test_use_gpu_defaults_to_spark_gpu_scheduling():
 
 def test_use_gpu_shows_the_rank_its_hosts_gpus_and_nothing_without():
     info = types.SimpleNamespace(host_gpus=("2", "3"), gpu_index=1)
-    spec = spark_task.TaskSpec("h:1", b"k" * 32, 30.0, {}, True, "run1")
+    spec = spark_task.TaskSpec(driver_addr="h:1", secret=b"k" * 32, start_timeout_s=30.0,
+                               heartbeat_s=10.0, env={}, use_gpu=True, run_id="run1")
     assert spark_task.rank_gpus(spec, info) == ["2", "3"]
-    off = spark_task.TaskSpec("h:1", b"k" * 32, 30.0, {}, False, "run1")
+    off = spark_task.TaskSpec(driver_addr="h:1", secret=b"k" * 32, start_timeout_s=30.0,
+                              heartbeat_s=10.0, env={}, use_gpu=False, run_id="run1")
     assert spark_task.rank_gpus(off, info) is None  # the executor's CUDA_VISIBLE_DEVICES
 
 

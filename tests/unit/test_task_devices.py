@@ -82,7 +82,8 @@ def test_the_task_reads_its_gpu_resource():
 
 
 def test_the_rank_environment_carries_the_task_gpus():
-    spec = TaskSpec("10.0.0.1:5000", b"k" * 32, 30.0, {}, False, "run1")
+    spec = TaskSpec(driver_addr="10.0.0.1:5000", secret=b"k" * 32, start_timeout_s=30.0,
+                    heartbeat_s=10.0, env={}, use_gpu=False, run_id="run1")
     info = assign_ranks([TaskSlot(0, "a")])[0]
     env = child_env({"CUDA_VISIBLE_DEVICES": "0,1"}, spec, info, None, ["1"])
     assert env[_env.TASK_GPUS] == "1" and env["CUDA_VISIBLE_DEVICES"] == "0,1"

@@ -27,7 +27,8 @@ def _job(secret: bytes):
     reports = []
     server = StoreServer(secret, handlers={worker.REPORT: lambda *a: reports.append(a)})
     server.set(worker.FN_KEY, cloudpickle.dumps((_what_the_rank_sees, (), {})))
-    spec = TaskSpec(f"127.0.0.1:{server.port}", secret, 20.0, {"USER_VAR": "u"}, True, "t1")
+    spec = TaskSpec(driver_addr=f"127.0.0.1:{server.port}", secret=secret, start_timeout_s=20.0,
+                    heartbeat_s=10.0, env={"USER_VAR": "u"}, use_gpu=True, run_id="t1")
     return server, spec, reports
 
 

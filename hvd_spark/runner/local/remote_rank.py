@@ -19,8 +19,8 @@ import sys
 import threading
 
 from hvd_spark.runner import torch_world
+from hvd_spark.runner.run_config import DEFAULT_STOP_GRACE_S
 
-_KILL_GRACE_S = 3.0
 _ENV_READ_TIMEOUT_S = 60.0
 
 
@@ -29,7 +29,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
         try:
-            proc.wait(_KILL_GRACE_S)
+            proc.wait(DEFAULT_STOP_GRACE_S)
             return
         except subprocess.TimeoutExpired:
             continue

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import json
 import os
 import re
@@ -22,16 +21,14 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Sequence
-from typing import IO
 
 from hvd_spark import _env
 from hvd_spark.errors import ConfigError
 from hvd_spark.runner.local import hosts as hostlist
-from hvd_spark.runner.local.local_launcher import LocalJob, local_config
+from hvd_spark.runner.local.local_launcher import LocalJob
 from hvd_spark.runner.rendezvous import RankInfo
-from hvd_spark.runner.run_config import RunConfig, Timeouts
+from hvd_spark.runner.run_config import RunConfig
 from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
 SSH_OPTS = "HVD_SPARK_SSH_OPTS"
@@ -81,45 +78,31 @@ class SshJob(LocalJob):
     """Ranks on the given hosts; the rendezvous store listens on every interface.
 
     Args:
+        config: The run's settings (``num_proc`` is the placement's length).
         placement: RankInfo per rank (``hosts.place_ranks``).
-        env: Extra variables for every rank.
         ssh_port, ssh_identity: Passed to ssh for every remote host.
-        stdout, stderr: Streams receiving the ranks' prefixed output lines.
-        timeouts: The heartbeat limit and stop grace (default: ``heartbeat_limit({})``).
     """
 
-    def __init__(self, placement: list[RankInfo], env: dict[str, str] | None = None,
-                 ssh_port: int | None = None, ssh_identity: str | None = None,
-                 stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-                 timeouts: Timeouts | None = None) -> None:
+    def __init__(self, config: RunConfig, placement: list[RankInfo],
+                 ssh_port: int | None = None, ssh_identity: str | None = None) -> None:
         remote = [h for h in dict.fromkeys(i.host for i in placement) if not hostlist.is_local(h)]
         # Local ranks dial the store on loopback unless remote peers must reach them.
         self._dial = {h: route_source(h) for h in remote}
         self._local_addr = next(iter(self._dial.values()), "127.0.0.1")
-        config = local_config(num_proc=len(placement), env=env or {}, stdout=stdout,
-                              stderr=stderr)
-        if timeouts is not None:
-            config = dataclasses.replace(config, timeouts=timeouts)
-        super().__init__(config, bind_host="0.0.0.0" if remote else "127.0.0.1")
+        super().__init__(config.with_num_proc(len(placement)),
+                         bind_host="0.0.0.0" if remote else "127.0.0.1")
         self.placement = placement
         self.ssh_port, self.ssh_identity = ssh_port, ssh_identity
 
     def host_of(self, rank: int) -> str:
         return self.placement[rank].host
 
-    def rank_env(self, info: RankInfo) -> dict[str, str]:
-        """Everything rank ``info.rank`` receives on stdin."""
-        store = self._dial.get(info.host, self._local_addr)
-        env = {**forwarded_env(), **self._env}
-        env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
-                                       info.cross_rank, info.cross_size, info.host))
-        # Rank 0's host may be another: its remote_rank probes the port and publishes it.
-        env.update(_env.torchrun_variables(rank=info.rank, size=info.size,
-                                         node_rank=info.node_rank, num_nodes=info.num_nodes,
-                                         run_id=self.run_id))
-        env.update({_env.RENDEZVOUS_ADDR: f"{store}:{self.store.port}",
-                    _env.SECRET: self.secret.hex(), _env.HEARTBEAT: str(self.timeouts.heartbeat_s),
-                    "PYTHONUNBUFFERED": "1"})
+    def rank_env(self, info: RankInfo, store_host: str = "") -> dict[str, str]:
+        """Everything rank ``info.rank`` receives on stdin: this process's exportable
+        environment too. Rank 0's host may be another: its ``remote_rank`` probes the
+        torch.distributed master's port there and publishes it."""
+        store = store_host or self._dial.get(info.host, self._local_addr)
+        env = {**forwarded_env(), **super().rank_env(info, store)}
         if store != "127.0.0.1" and hostlist.is_local(info.host) and not env.get(_env.IFACE):
             env.setdefault(_env.ADVERTISE_ADDR, store)  # remote peers must reach it
         return env
@@ -173,9 +156,7 @@ class SshJob(LocalJob):
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(self.rank_env(info)).encode() + b"\n")
             proc.stdin.flush()  # stdin stays open: closing it stops the rank
-            self.procs.append(proc)
-            self._output.follow(info.rank, proc.stdout, proc.stderr)
-            threading.Thread(target=self._watch, args=(info.rank, proc), daemon=True).start()
+            self._follow(info.rank, proc)
 
 
 def add_host_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,11 +195,9 @@ def host_slots_from(args: argparse.Namespace) -> list[hostlist.HostSlots] | None
     return None
 
 
-def run_on_hosts(command: Sequence[str], host_slots: list[hostlist.HostSlots],
-                 config: RunConfig, ssh_port: int | None = None,
-                 ssh_identity: str | None = None) -> list:
-    """Run ``command`` as ``config.num_proc`` ranks placed on ``host_slots``; return the
-    failures.
+def hosts_job(host_slots: list[hostlist.HostSlots], config: RunConfig,
+              ssh_port: int | None = None, ssh_identity: str | None = None) -> SshJob:
+    """An ``SshJob`` of ``config.num_proc`` ranks placed on ``host_slots``, its hosts checked.
 
     Raises:
         ConfigError: Too few slots, an unknown host, or a host that does not answer ssh.
@@ -227,9 +206,11 @@ def run_on_hosts(command: Sequence[str], host_slots: list[hostlist.HostSlots],
         raise ConfigError(f"--ssh-identity-file {ssh_identity}: no such file")
     if config.num_proc is None:
         raise ConfigError("num_proc must be a positive integer, got None")
-    placement = hostlist.place_ranks(host_slots, config.num_proc)
-    with SshJob(placement, dict(config.env), ssh_port, ssh_identity,
-                stdout=config.stdout, stderr=config.stderr, timeouts=config.timeouts) as job:
+    job = SshJob(config, hostlist.place_ranks(host_slots, config.num_proc), ssh_port,
+                 ssh_identity)
+    try:
         job.check_hosts()
-        job.start(command)
-        return job.watch()
+    except BaseException:
+        job.close()
+        raise
+    return job

@@ -15,33 +15,36 @@ import functools
 import logging
 import queue
 import re
-import threading
+import secrets
+import sys
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from hvd_spark import _env
 from hvd_spark.errors import (
     ConfigError,
     HvdSparkError,
     RendezvousTimeoutError,
     WorkerFailedError,
 )
+from hvd_spark.runner import mlflow_env
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.heartbeat_monitor import hearing_grace
 from hvd_spark.runner.launcher import Launcher
-from hvd_spark.runner.run_config import Timeouts
+from hvd_spark.runner.output import OutputForwarder
+from hvd_spark.runner.run_config import RunConfig
 from hvd_spark.runner.spark import spark_task, task_loss
 from hvd_spark.runner.spark.connect import ConnectContext, is_connect
 from hvd_spark.runner.spark.driver_service import DriverService
+from hvd_spark.runner.spark.job_thread import JobThread
 from hvd_spark.runner.worker import FN_KEY
 
 log = logging.getLogger(__name__)
 
-# Stopped ranks exit within ~3 s; a task that vanished never does, and Spark's verdict on
-# it (executor lost) takes a few seconds more to end the job.
-_TEARDOWN_GRACE_S = 10.0
-_JOIN_TIMEOUT_S = 30.0
+# Stopped ranks exit within the stop grace (their task reaps them); a task that vanished
+# never does, and Spark's verdict on it (executor lost) takes this much longer to end the job.
+_SPARK_VERDICT_S = 7.0
 _SLOT_WAIT_S = 15.0
 _POLL_S = 0.2
 
@@ -166,64 +169,88 @@ class _Outcome:
     stop_at: float | None = None  # a rank fell silent: the others hear why until then
 
 
-class SparkLaunch(Launcher):
-    """One barrier job running ``num_proc`` ranks, supervised from the driver.
+class SparkJob(Launcher):
+    """One barrier job running ``config.num_proc`` ranks, supervised from the driver.
+
+    It runs the job's ``DriverService`` (which the tasks register with) until ``close``.
 
     Args:
-        spark: The session to run on.
-        service: The run's driver service (started).
-        spec: What the tasks receive.
-        timeouts: The start timeout (every task must start and register within it) and
-            the heartbeat limit.
+        config: The run's settings (``prepare`` resolves a missing ``num_proc``).
         data: With ``run(fn, df=...)``, the DataFrame in ``num_proc`` partitions
             (``data.shares.prepare_shares``): the barrier stage runs over it.
+        spark: The session to run on (default: the active one).
     """
 
-    def __init__(self, spark: Any, service: DriverService, spec: spark_task.TaskSpec,
-                 timeouts: Timeouts, data: Any = None) -> None:
-        self.spark = spark
-        self.service = service
-        # run(fn, df=...): the DataFrame in one partition per task (data.shares).
+    def __init__(self, config: RunConfig, data: Any = None, spark: Any = None) -> None:
+        self.spark = spark if spark is not None else active_session()
+        sc = cluster_context(self.spark)
+        if config.num_proc is None:
+            config = self.prepare(config)
+        self.config = config
+        self.timeouts = config.timeouts
+        self.num_proc: int = config.num_proc  # type: ignore[assignment]
         self.data = data
-        # The ranks beat to the driver service: a frozen rank or a host cut off fails the
-        # run within the heartbeat limit, not the collective timeout.
-        limit = timeouts.heartbeat_s
-        spec = dataclasses.replace(spec, env={**spec.env, _env.HEARTBEAT: str(limit)})
-        service.watch_heartbeats(limit)
-        self.spec = spec
-        self.timeouts = timeouts
-        self.start_timeout = timeouts.start_timeout
-        self.num_proc = service.num_proc
-        self.job_group = f"hvd_spark-{spec.run_id}"
-        self.remote = is_connect(spark)
-        self._thread: threading.Thread | None = None
+        bind_host, advertise_host = driver_hosts(sc)
+        output = OutputForwarder(config.stdout or sys.stdout, config.stderr or sys.stderr,
+                                 timestamps=config.prefix_output_with_timestamp,
+                                 tee=config.on_output)
+        secret = secrets.token_bytes(32)
+        self.service = DriverService(self.num_proc, secret, bind_host, advertise_host, output,
+                                     progress=config.progress)
+        # The driver's MLflow run reaches the ranks; the caller's env wins over it. The
+        # ranks beat to the driver service: a frozen rank or a host cut off fails the run
+        # within the heartbeat limit, not the collective timeout.
+        self.spec = spark_task.TaskSpec(
+            driver_addr=self.service.addr, secret=secret,
+            start_timeout_s=self.timeouts.start_timeout_s, heartbeat_s=self.timeouts.heartbeat_s,
+            env={**mlflow_env.driver_env(), **config.env}, run_id=uuid.uuid4().hex[:12],
+            use_gpu=resolve_use_gpu(sc, config.use_gpu), ranks_per_task=config.ranks_per_task,
+            with_share=data is not None)
+        self.service.watch_heartbeats(self.timeouts.heartbeat_s)
+        self.job_group = f"hvd_spark-{self.spec.run_id}"
+        self._job = JobThread(self.spark, self.job_group,
+                              f"hvd_spark.run of {self.num_proc} ranks", self._frame,
+                              lambda error: self.service.events.put(("spark_done", -1, error)))
         self._outcome = _Outcome()
         self._failures: list[WorkerFailure] = []
         self._results: list[bytes] = []
+
+    @classmethod
+    def prepare(cls, config: RunConfig) -> RunConfig:
+        """``config`` with ``num_proc`` (default: every task slot, times ``ranks_per_task``)
+        and ``use_gpu`` resolved, checked against the active session's cluster.
+
+        Raises:
+            ConfigError: No session, dynamic allocation, too few task slots, or
+                ``use_gpu=True`` without GPU scheduling.
+        """
+        sc = cluster_context(active_session())
+        per_task = config.ranks_per_task
+        num_proc = task_slots(sc) * per_task if config.num_proc is None else config.num_proc
+        config = dataclasses.replace(config, num_proc=num_proc,
+                                     use_gpu=resolve_use_gpu(sc, config.use_gpu))
+        check_cluster(sc, num_proc // per_task)
+        return config
+
+    @classmethod
+    def capacity(cls, config: RunConfig) -> int | None:
+        """Ranks the executors alive now can run (a lost executor no longer counts)."""
+        sc = cluster_context(active_session())
+        if not sc.master.startswith("local-cluster") and _is_local(sc):
+            return task_slots(sc) * config.ranks_per_task  # one JVM: nothing to lose
+        try:  # what Spark's barrier check counts; private API, hence the fallback
+            jsc = sc._jsc.sc()
+            slots = int(jsc.maxNumConcurrentTasks(
+                jsc.resourceProfileManager().defaultResourceProfile()))
+        except Exception:  # noqa: BLE001 - Spark Connect or another Spark: the static count
+            slots = task_slots(sc)
+        return slots * config.ranks_per_task
 
     def publish(self, payload: bytes) -> None:
         """Put the pickled function in the driver service, where the ranks fetch it."""
         self.service.set(FN_KEY, payload)
 
-    def _collect(self) -> None:
-        # Connect has no job groups: a tag (thread-local on the client) marks the job.
-        if self.remote:
-            self.spark.addTag(self.job_group)
-        else:
-            self.spark.sparkContext.setJobGroup(
-                self.job_group, f"hvd_spark.run of {self.num_proc} ranks",
-                interruptOnCancel=True)
-        error: BaseException | None = None
-        try:
-            self._job().collect()
-        except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
-            error = exc
-        finally:
-            if self.remote:
-                self.spark.removeTag(self.job_group)
-        self.service.events.put(("spark_done", -1, error))
-
-    def _job(self) -> Any:
+    def _frame(self) -> Any:
         n = self.num_proc // self.spec.ranks_per_task  # one task per ranks_per_task ranks
         frame = self.spark.range(n, numPartitions=n) if self.data is None else self.data
         try:
@@ -242,11 +269,7 @@ class SparkLaunch(Launcher):
         if command is not None:
             raise ConfigError("Spark tasks run a Python function, not a command: publish "
                               "the function (hvd_spark.run) or start commands with hvdrun")
-        from pyspark import InheritableThread
-
-        self._thread = InheritableThread(target=self._collect, name="hvd-spark-job",
-                                         daemon=True, session=self.spark)
-        self._thread.start()
+        self._job.start()
 
     def wait(self) -> list[bytes]:
         """Supervise the run; return the pickled results in rank order.
@@ -274,6 +297,13 @@ class SparkLaunch(Launcher):
     def stop(self) -> None:
         """Tell the ranks to stop, cancel the job if it still runs, wait for it (bounded)."""
         self._finish(self._outcome)
+
+    def close(self) -> None:
+        """Stop, then close the driver service."""
+        try:
+            self.stop()
+        finally:
+            self.service.close()
 
     def watch(self) -> list[WorkerFailure]:
         """Supervise the run until every rank reported or one failed; return the failures.
@@ -314,13 +344,18 @@ class SparkLaunch(Launcher):
         self._results = [outcome.results[r] for r in range(self.num_proc)]
         return []
 
+    @property
+    def _teardown_s(self) -> float:
+        return self.timeouts.stop_grace_s + _SPARK_VERDICT_S
+
     def _supervise(self, out: _Outcome) -> None:
-        start_deadline = time.monotonic() + self.start_timeout
+        start_timeout_s = self.timeouts.start_timeout_s
+        start_deadline = time.monotonic() + start_timeout_s
         teardown_at: float | None = None
         while len(out.results) < self.num_proc or out.failures:
             if teardown_at is not None and (
                     len(out.exited) >= self.num_proc or out.spark_done
-                    or time.monotonic() - teardown_at > _TEARDOWN_GRACE_S):
+                    or time.monotonic() - teardown_at > self._teardown_s):
                 return
             if out.spark_done and teardown_at is None:
                 return  # the job ended (or failed) with nothing left to wait for
@@ -328,7 +363,7 @@ class SparkLaunch(Launcher):
                     and time.monotonic() > start_deadline):
                 raise RendezvousTimeoutError(
                     f"only {self.service.registered} of {self.num_proc} Spark tasks started "
-                    f"within start_timeout={self.start_timeout} s: other jobs may hold the task "
+                    f"within start_timeout={start_timeout_s} s: other jobs may hold the task "
                     "slots, or executors are missing; free them or raise start_timeout")
             try:
                 kind, key, value = self.service.events.get(timeout=_POLL_S)
@@ -386,17 +421,6 @@ class SparkLaunch(Launcher):
     def _finish(self, out: _Outcome) -> None:
         """Stop the ranks, cancel the job if it still runs, and wait for it (bounded)."""
         self.service.stop()
-        thread = self._thread
-        if thread is None:
-            return
-        if (thread.is_alive() and not out.spark_done
-                and (out.failures or len(out.results) < self.num_proc)):
-            log.info("cancelling Spark job group %s", self.job_group)
-            if self.remote:
-                self.spark.interruptTag(self.job_group)
-            else:
-                self.spark.sparkContext.cancelJobGroup(self.job_group)
-        thread.join(_JOIN_TIMEOUT_S)
-        if thread.is_alive():
-            log.warning("the Spark job of group %s did not end within %s s after the run",
-                        self.job_group, _JOIN_TIMEOUT_S)
+        if not out.spark_done and (out.failures or len(out.results) < self.num_proc):
+            self._job.cancel()
+        self._job.join()

@@ -43,30 +43,51 @@ CONNECT_TIMEOUT_S = 30.0
 OUTPUT_SCHEMA = "partition long, returncode long"
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskSpec:
-    """Everything a task needs, shipped to the executors in the job's closure.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskLink:
+    """What every task of a run needs to reach the driver and start its process
+    (``hvd_spark.run``'s barrier tasks and ``run_elastic``'s tasks alike).
 
     Attributes:
         driver_addr: ``host:port`` of the driver's service.
         secret: The run's secret.
-        start_timeout: Seconds to wait for all tasks to register and the ranks to connect.
+        start_timeout_s: Seconds to connect and for the ranks to start.
+        heartbeat_s: Seconds of silence after which a rank counts as lost.
         env: User variables added to each rank's environment.
+        run_id: Identifies the run in logs.
+    """
+
+    driver_addr: str
+    secret: bytes
+    start_timeout_s: float
+    heartbeat_s: float
+    env: dict[str, str]
+    run_id: str
+
+    def process_env(self, base: dict[str, str]) -> dict[str, str]:
+        """The executor's (``base``) + user's + the run's variables, which a rank's process
+        starts with: how it reaches the driver (``_env.launcher_variables``)."""
+        env = {**base, **self.env}
+        env.setdefault(_env.START_TIMEOUT, str(self.start_timeout_s))
+        env.update(_env.launcher_variables(self.driver_addr, self.secret, self.heartbeat_s,
+                                           self.run_id))
+        return env
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskSpec(TaskLink):
+    """Everything a barrier task needs, shipped to the executors in the job's closure.
+
+    Attributes:
         use_gpu: Show the child its host's GPUs of this job as CUDA_VISIBLE_DEVICES, its own
             at index ``local_rank`` (``gpu_mapping``).
-        run_id: Identifies the run in logs.
         ranks_per_task: Ranks each task runs (one per GPU of the task, each registering
             as its own slot ``partition * ranks_per_task + i``).
         with_share: The barrier stage runs over the job's DataFrame (``run(fn, df=...)``):
             each task writes its partition's rows to local disk for its rank.
     """
 
-    driver_addr: str
-    secret: bytes
-    start_timeout: float
-    env: dict[str, str]
-    use_gpu: bool
-    run_id: str
+    use_gpu: bool = False
     ranks_per_task: int = 1
     with_share: bool = False
 
@@ -74,15 +95,8 @@ class TaskSpec:
 def early_env(base: dict[str, str], spec: TaskSpec) -> dict[str, str]:
     """The part of a rank's environment known before the task registers: executor's +
     user's + the run's variables (the worker starts with it; see :func:`child_env`)."""
-    env = {**base, **spec.env}
+    env = spec.process_env(base)
     env.pop(_env.GPU_INDEX, None)  # only this rank's own index may reach it
-    env.setdefault(_env.START_TIMEOUT, str(spec.start_timeout))
-    env.update({
-        _env.RENDEZVOUS_ADDR: spec.driver_addr,
-        _env.SECRET: spec.secret.hex(),
-        _env.RUN_ID: spec.run_id,
-        "PYTHONUNBUFFERED": "1",
-    })
     return env
 
 
@@ -99,12 +113,7 @@ def child_env(
     None) are the task's Spark GPU addresses, for ``hvd_spark.task.get_available_devices``.
     """
     env = early_env(base, spec)
-    env.update(_env.rank_variables(info.rank, info.size, info.local_rank, info.local_size,
-                                   info.cross_rank, info.cross_size, info.host))
-    if info.master_port:
-        env.update(_env.torchrun_variables(
-            rank=info.rank, size=info.size, node_rank=info.node_rank, num_nodes=info.num_nodes,
-            master_addr=info.master_addr, master_port=info.master_port, run_id=spec.run_id))
+    env.update(torch_world.rank_world(info, spec.run_id))
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         # CUDA's default order is fastest first; Spark's addresses are nvidia-smi's indices.
@@ -175,7 +184,7 @@ def run_task(spec: TaskSpec, partition: int, task_gpus: list[str],
             path = os.path.join(share_directory(), f"hvd_spark-{spec.run_id}-{partition}.arrow")
             share = (path, 0)
             share = (path, write_share(rows, path))
-        client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout, host)
+        client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout_s, host)
         try:
             return _serve_rank(client, proc, started_with, spec, partition, host, task_gpus,
                                share)
@@ -226,10 +235,10 @@ def _serve_rank(client: StoreClient, proc: subprocess.Popen, started_with: dict[
         # This host's address as the other ranks reach it, and a port free here: the
         # torch.distributed master's, should this task become rank 0.
         endpoint = (advertise_addr() or client.local_address, torch_world.free_port())
-        info: RankInfo = client.call(REGISTER, partition, host, spec.start_timeout,
+        info: RankInfo = client.call(REGISTER, partition, host, spec.start_timeout_s,
                                      tuple(task_gpus), endpoint,
                                      None if share is None else share[1],
-                                     timeout=spec.start_timeout)
+                                     timeout=spec.start_timeout_s)
         env = child_env(dict(os.environ), spec, info, rank_gpus(spec, info), task_gpus)
         if share is not None:
             env.update({_env.SHARE_PATH: share[0],
@@ -244,7 +253,7 @@ def _serve_rank(client: StoreClient, proc: subprocess.Popen, started_with: dict[
     sender.follow(proc.stdout, proc.stderr)
     stopped = threading.Event()
     threading.Thread(target=watch_stop, args=(
-        spec.driver_addr, spec.secret, spec.start_timeout, proc, stopped),
+        spec.driver_addr, spec.secret, spec.start_timeout_s, proc, stopped),
         daemon=True).start()
     returncode = proc.wait()  # bounded by the driver's stop and the ranks' timeouts
     sender.close(DRAIN_S)

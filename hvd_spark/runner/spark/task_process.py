@@ -24,11 +24,10 @@ from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.shm import job_tag, remove_segments
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
+from hvd_spark.runner.run_config import DEFAULT_STOP_GRACE_S
 from hvd_spark.runner.spark.driver_service import LOG, STOP_KEY
 from hvd_spark.runner.tied_child import WORKER_COMMAND, start_tied
 
-#: Seconds a worker gets between SIGTERM and SIGKILL, and to be reaped after SIGKILL.
-KILL_GRACE_S = 2.0
 #: Seconds to wait for a finished worker's last output lines to reach the driver.
 DRAIN_S = 5.0
 _STOP_POLL_S = 1.0
@@ -111,7 +110,7 @@ def reap_worker(proc: subprocess.Popen, secret: bytes) -> None:
     """
     kill_group(proc, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(KILL_GRACE_S)
+        proc.wait(DEFAULT_STOP_GRACE_S)
     if proc.returncode != 0:  # None (still not reaped) counts as failed
         remove_segments(job_tag(secret))
 
@@ -226,5 +225,5 @@ def _running(proc: subprocess.Popen) -> bool:
 def _terminate(proc: subprocess.Popen) -> None:
     kill_group(proc, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(KILL_GRACE_S)
+        proc.wait(DEFAULT_STOP_GRACE_S)
     kill_group(proc, signal.SIGKILL)
