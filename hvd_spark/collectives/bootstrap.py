@@ -146,8 +146,10 @@ def start_heartbeat(addr: tuple[str, int], secret: bytes, worker: str) -> None:
         return
     if interval <= 0:
         return
-    beat = STATE.heartbeat = Heartbeat(addr, secret, worker, interval, _abort)
-    atexit.register(beat.stop)
+    # Not stopped at exit: a rank that finished but exits slowly (a loaded host, a large
+    # framework's teardown) keeps beating until its process ends, so the launcher sees it
+    # exit, not fall silent (an elastic job would wait out its timeout for a lost member).
+    STATE.heartbeat = Heartbeat(addr, secret, worker, interval, _abort)
 
 
 def _abort(generation: int, reason: str) -> None:

@@ -2,7 +2,10 @@
 
 Worker KILL_WORKER (default "1") sends itself signal SIG (default SIGKILL) at step KILL_AT.
 Each rank prints its commits, every (re)start and a final checksum of the parameters.
+SLOW_EXIT_S: every rank's exit takes that long after training (an atexit handler that runs
+after hvd_spark's own), as a loaded host's or a large framework's teardown does.
 """
+import atexit
 import os
 import signal
 import time
@@ -20,6 +23,8 @@ SIG = int(os.environ.get("SIG", str(int(signal.SIGKILL))))
 WAIT_FOR_SIZE = int(os.environ.get("WAIT_FOR_SIZE", "0"))
 DEADLINE = time.monotonic() + 120
 
+# Registered before init() registers hvd_spark's handlers: atexit runs it after them.
+atexit.register(time.sleep, float(os.environ.get("SLOW_EXIT_S", "0")))
 hvd.init()
 torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randn(256, 1))

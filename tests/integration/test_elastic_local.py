@@ -85,6 +85,20 @@ def test_a_frozen_rank_is_detected_by_the_heartbeat_within_seconds():
     assert time.monotonic() - started < 100  # not the 600 s collective timeout
 
 
+def test_a_rank_that_exits_slowly_after_training_is_not_declared_lost():
+    # Exits take 6 s, twice the heartbeat limit: the ranks keep beating until their
+    # processes end (before, they fell silent at exit, were declared lost, and the job
+    # waited out the elastic timeout).
+    started = time.monotonic()
+    code, out = _hvdrun(["-np", "2", "--min-np", "2", "--cooldown", "-1",
+                         "--elastic-timeout", "60"],
+                        {"EPOCHS": "1", "SLOW_EXIT_S": "6", "HVD_SPARK_HEARTBEAT_S": "3"})
+    assert code == 0, out
+    assert "sent no heartbeat" not in out and "lost" not in out, out
+    assert all(_lines(out, w, "done") for w in ("0", "1")), out
+    assert time.monotonic() - started < 55  # not the 60 s elastic timeout
+
+
 def test_fewer_than_min_np_left_fails_naming_the_lost_rank():
     code, out = _hvdrun(["-np", "2", "--min-np", "2", "--cooldown", "-1",
                          "--elastic-timeout", "3"], {"KILL_AT": "3", "EPOCHS": "2"})
