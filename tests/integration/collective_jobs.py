@@ -111,7 +111,7 @@ def eager_paths() -> dict:
     # synchronous call's limit: ``lone_eager_bytes``, past 64 KB out of the pickle); with
     # two ranks on one host the one above crosses the express lane instead of the ring.
     limit_rows = engine.lone_eager_bytes // 8
-    lane = getattr(engine.comm, "express_lane", None)
+    lane = engine.comm.express_lane
     before = engine.executed_eager
     at = hvd.allreduce(np.arange(limit_rows, dtype=np.float64) + r, op=hvd.Sum)
     out["at_limit_eager"] = engine.executed_eager - before == 1

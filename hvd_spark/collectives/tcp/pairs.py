@@ -40,8 +40,7 @@ class PairingMixin:
         self._pairs = PairTable() if size == 2 else None
         # Two ranks on one host: the express lane their tensors cross (a hierarchical
         # communicator, never of two ranks, has none).
-        self._lane: ExpressLane | None = (getattr(self.comm, "express_lane", None)
-                                          if size == 2 else None)
+        self._lane: ExpressLane | None = self.comm.express_lane if size == 2 else None
         self._pair_warned: set[str] = set()
         self._next_pair_check = 0.0
         #: Allreduces the two ranks decided alone (see ``pairing``).
