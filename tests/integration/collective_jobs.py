@@ -460,7 +460,7 @@ def burst_through_small_socket_buffers(count: int = 160) -> dict:
 
     hvd.init()
     r = hvd.rank()
-    for sock in _plumbing.current_engine()._control.values():
+    for sock in _plumbing.current_engine().control.socks.values():
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, 64 * 1024)
     hvd.barrier()
@@ -487,15 +487,24 @@ def hold_after_a_thread_switch() -> dict:
     r = hvd.rank()
     engine = _plumbing.current_engine()
     if r == 1:
-        hold = engine._hold
+        import threading
+
+        control, pairing = engine.control, engine.pairing
+        hold, hold_peer, copy_in = control.hold, pairing.hold_peer, threading.Event()
 
         def slow_hold(peer, kind, requests):
-            engine._wake()  # the engine thread runs meanwhile
-            time.sleep(0.05)
+            control.wake()  # the engine thread runs meanwhile
+            time.sleep(0.05)  # a window for it (a race made likely, not an order)
             hold(peer, kind, requests)
 
-        engine._hold = slow_hold
-        time.sleep(0.3)  # rank 0's copies come first
+        def noted_hold_peer(request, now):
+            hold_peer(request, now)
+            copy_in.set()
+
+        control.hold, pairing.hold_peer = slow_hold, noted_hold_peer
+        if "switch.0" in pairing.table.peer:  # it came before the spy
+            copy_in.set()
+        assert copy_in.wait(30), "rank 0's copy of switch.0 never came"  # it comes first
     arrays = [np.arange(4.0) + 10 * (r + 1) + i for i in range(5)]
     for i, a in enumerate(arrays):
         hvd.synchronize(hvd.allreduce_async_(a, name=f"switch.{i}", op=hvd.Sum))
