@@ -147,15 +147,15 @@ class EngineCore(abc.ABC):
         """Rank 0 with autotuning on: tune from the responses ``coordinator`` takes.
 
         Subclasses call this once their coordinator exists. The chunk size is tuned
-        where the backend can change it mid-run (``set_chunk_bytes``: the TCP ring).
+        where the backend can change it mid-run (``Communicator.tunes_chunks``).
         """
         tune = self.config.autotune
         if coordinator is None or tune is None:
             return
         start = autotune.Params(coordinator.fusion_threshold, self.cycle_time_ms,
                                 self.config.chunk_bytes)
-        can_chunk = callable(getattr(self.comm, "set_chunk_bytes", None))
-        self._tuner = autotune.Autotuner(tune, start, tune.fixed, tune_chunk=can_chunk)
+        self._tuner = autotune.Autotuner(tune, start, tune.fixed,
+                                         tune_chunk=self.comm.tunes_chunks)
         autotune.log.info("autotune on (%s): tuning %s from %s", type(self).__name__,
                           ", ".join(k for k, g in self._tuner.search.grids.items()
                                     if len(g) > 1) or "nothing", start.describe())

@@ -9,7 +9,6 @@ elastic training; the recovery loop built on top of the collectives is in ``elas
 from __future__ import annotations
 
 import logging
-import socket
 
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
@@ -56,7 +55,7 @@ class Membership:
         # This host's address and a port free here: torch.distributed's master for the
         # generation, should this worker be its rank 0.
         endpoint = (_env.get_str(_env.ADVERTISE_ADDR) or self._client.local_address,
-                    _free_port())
+                    wire.free_port())
         got = self._client.call(JOIN, self.worker, self.hostname, self.generation, endpoint,
                                 timeout=budget)
         self.generation, self.version = got["generation"], got["version"]
@@ -82,12 +81,6 @@ class Membership:
     def hosts_updated(self) -> bool:
         """True when the driver has workers waiting to join this generation."""
         return self._client.call(VERSION, timeout=30.0) > self.version
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 _membership: list[Membership] = []

@@ -28,7 +28,24 @@ _MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCA
 
 
 def register(name: str, target: str) -> None:
-    """Register ``module:function`` as the factory of backend ``name``."""
+    """Register ``module:function`` as the factory of backend ``name``.
+
+    Registering the same target again does nothing (a module imported twice).
+
+    Raises:
+        ConfigError: ``name`` is ``auto`` or names a backend with another factory
+            already (a second backend would replace the first silently), or ``target``
+            is not ``module:function``.
+    """
+    module, _, attr = target.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"backend {name!r}: the factory must be given as 'module:function', "
+                          f"not {target!r}")
+    known = _BACKENDS.get(name)
+    if name == "auto" or (known is not None and known != target):
+        raise ConfigError(
+            f"a collectives backend named {name!r} is registered already "
+            f"({known or 'auto picks tcp or mpi'}); register {target!r} under another name")
     _BACKENDS[name] = target
 
 

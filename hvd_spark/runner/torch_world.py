@@ -18,10 +18,13 @@ publish it through the launcher's store.
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from hvd_spark import _env
+
+# The one port probe, shared with the elastic membership (the collectives cannot import
+# the runner); the launchers call it as ``torch_world.free_port``.
+from hvd_spark.collectives.tcp.wire import free_port
 from hvd_spark.runner.rendezvous import RankInfo
 
 #: Where rank 0 publishes ``(address, port)`` in the launcher's store, for launchers that
@@ -40,13 +43,6 @@ def rank_world(info: RankInfo, run_id: str) -> dict[str, str]:
                                   num_nodes=info.num_nodes, run_id=run_id,
                                   master_addr=master[0], master_port=master[1]),
     }
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that is free on this machine's ``host`` interface now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def exchange_master(store: Any, rank: int, address: str, timeout: float) -> tuple[str, int]:
@@ -81,10 +77,10 @@ def fill_master(env: dict[str, str], timeout: float) -> None:
     """
     if _env.MASTER_PORT in env or "GROUP_RANK" not in env:
         return
-    from hvd_spark.collectives.tcp import wire
     from hvd_spark.collectives.tcp.store import StoreClient
+    from hvd_spark.collectives.tcp.wire import parse_addr
 
-    addr = wire.parse_addr(env[_env.RENDEZVOUS_ADDR], _env.RENDEZVOUS_ADDR)
+    addr = parse_addr(env[_env.RENDEZVOUS_ADDR], _env.RENDEZVOUS_ADDR)
     store = StoreClient(addr, bytes.fromhex(env[_env.SECRET]), timeout)
     try:
         address = env.get(_env.ADVERTISE_ADDR) or store.local_address

@@ -15,7 +15,7 @@ import pytest
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts
 from hvd_spark.collectives.communicator import Communicator
-from hvd_spark.errors import CollectiveError
+from hvd_spark.errors import BackendUnavailableError, CollectiveError
 from tests.threads import run_on_threads
 
 
@@ -121,6 +121,33 @@ class CommunicatorContract:
                                        rtol=1e-6)
             assert (small == self.size * 0.5).all()
             assert big.tobytes() == outs[0][0].tobytes()
+
+    def test_chunk_size_changes_only_where_declared(self, comms):
+        """``tunes_chunks``: the ranks switch their chunk between operations and the
+        results stay exact (a chunk the buffers cannot take is refused); without it,
+        ``set_chunk_bytes`` refuses (the autotuner then leaves the chunk alone)."""
+        if not comms[0].tunes_chunks:
+            with pytest.raises(BackendUnavailableError, match="no chunk size"):
+                comms[0].set_chunk_bytes(8192)
+            return
+        with pytest.raises(CollectiveError, match="at least 4096"):
+            comms[0].set_chunk_bytes(100)
+
+        def body(c):
+            c.set_chunk_bytes(8192)
+            a = np.arange(50_000, dtype=np.float32) * (c.rank + 1)
+            c.allreduce(SegmentedBuffer([a]), ops.Sum)
+            return a
+
+        total = sum(range(1, self.size + 1))
+        for out in run_parallel(comms, body):
+            np.testing.assert_array_equal(out, np.arange(50_000, dtype=np.float32) * total)
+
+    def test_an_express_lane_joins_two_ranks_only(self, comms):
+        """A declared express lane has a free buffer for a small tensor at the start."""
+        for c in comms:
+            if c.express_lane is not None:
+                assert c.size == 2 and c.express_lane.can_post(64)
 
     def test_reducescatter_counts(self, comms):
         counts = even_counts(11, self.size)

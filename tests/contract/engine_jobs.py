@@ -174,15 +174,22 @@ def stalled(r: Rank) -> dict[str, Any]:
 
 
 def failing_rank(r: Rank) -> Any:
-    """Rank 1 fails while rank 0 waits for an operation: rank 0 gets an error naming it."""
+    """Rank 1 fails while rank 0 waits for an operation: rank 0 gets an error naming it.
+
+    Rank 0 submits that operation before an allreduce both run, and rank 1 fails only
+    after it: the operation is in flight on rank 0 by then, whatever the timing.
+    """
+    ready = np.ones(1, np.float32)
     if r.rank == 1:
-        time.sleep(0.3)  # rank 0 is waiting by then
+        r.run(r.allreduce("ready", ready), r.kit.put(ready))
         r.engine.abort(PeerDisconnectedError("rank 1 breaks on purpose"))
         return "aborted"
     host = np.ones(100_000, np.float32)
     start = time.monotonic()
     try:
-        r.run(r.allreduce("never", host), r.kit.put(host))
+        handle = r.submit(r.allreduce("never", host), r.kit.put(host))
+        r.run(r.allreduce("ready", ready), r.kit.put(ready))
+        r.engine.wait(handle)
     except HvdSparkError as exc:
         return (*_error(exc), time.monotonic() - start)
     return None

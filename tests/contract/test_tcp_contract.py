@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from hvd_spark.collectives.tcp.communicator import TcpCommunicator
+from hvd_spark.collectives.tcp.express_lane import lane_supported
 from hvd_spark.collectives.tcp.links import TcpLink
 from hvd_spark.collectives.tcp.mesh import build_mesh
 from hvd_spark.collectives.tcp.shm import ShmLink
@@ -17,7 +18,7 @@ SECRET = b"contract-secret-0123456789abcdef"
 
 
 def make_tcp(size: int, use_shm: bool, chunk_bytes: int = 64 * 1024,
-             spin_s: float = 0.0) -> list[TcpCommunicator]:
+             spin_s: float = 0.0, express_lane_bytes: int = 0) -> list[TcpCommunicator]:
     """Form a real mesh of ``size`` ranks over loopback, one thread per rank (ranks on
     one host connect through Unix sockets with shared memory on, TCP without, as in jobs)."""
     server = StoreServer(SECRET)
@@ -31,7 +32,7 @@ def make_tcp(size: int, use_shm: bool, chunk_bytes: int = 64 * 1024,
         for sock in mesh.control.values():
             sock.close()  # the contract exercises data paths only
         comms[rank] = TcpCommunicator(rank, size, mesh.data, chunk_bytes, use_shm,
-                                      spin_s=spin_s)
+                                      spin_s=spin_s, express_lane_bytes=express_lane_bytes)
 
     threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
     for t in threads:
@@ -88,10 +89,14 @@ class TestTcpOnlyTwoRanks(CommunicatorContract):
 
 
 class TestTcpTwoRanks(CommunicatorContract):
+    """Two ranks sharing memory, with the express lane their engine would use."""
+
     size = 2
 
     def make(self, size):
-        return make_tcp(size, use_shm=True)
+        comms = make_tcp(size, use_shm=True, express_lane_bytes=1 << 20)
+        assert all((c.express_lane is not None) == lane_supported() for c in comms)
+        return comms
 
 
 def test_single_rank_is_a_noop():

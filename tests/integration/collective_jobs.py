@@ -111,7 +111,7 @@ def eager_paths() -> dict:
     # synchronous call's limit: ``lone_eager_bytes``, past 64 KB out of the pickle); with
     # two ranks on one host the one above crosses the express lane instead of the ring.
     limit_rows = engine.lone_eager_bytes // 8
-    lane = getattr(engine.comm, "express_lane", None)
+    lane = engine.comm.express_lane
     before = engine.executed_eager
     at = hvd.allreduce(np.arange(limit_rows, dtype=np.float64) + r, op=hvd.Sum)
     out["at_limit_eager"] = engine.executed_eager - before == 1
@@ -388,6 +388,28 @@ def autotune_mid_run(max_steps: int = 400) -> dict:
             "choice": None if choice is None else choice.describe()}
 
 
+def spy_on_copies(engine, names: set[str]):
+    """Rank 1: an event set once rank 0's paired copies of all ``names`` are recorded
+    here (those recorded already count)."""
+    import threading
+
+    pairing, arrived = engine.pairing, threading.Event()
+    hold_peer, missing = pairing.hold_peer, set(names)
+
+    def noted(request, now):
+        hold_peer(request, now)
+        missing.discard(request.name)
+        if not missing:
+            arrived.set()
+
+    pairing.hold_peer = noted  # the engine looks it up at each message
+    with engine._lock:  # (the table is used under the engine's lock)
+        missing.difference_update(pairing.table.peer)
+    if not missing:
+        arrived.set()
+    return arrived
+
+
 def held_requests() -> dict:
     """Submissions wait to be sent until the next cycle (``TcpEngine._submitted``): a burst
     leaves in a frame or two, and a pair decided before its half left still sends that
@@ -401,7 +423,8 @@ def held_requests() -> dict:
     # Rank 0's copies reach rank 1 before rank 1 submits: rank 1 could decide each pair
     # the moment it records its own half, while that half is still held.
     if r == 1:
-        time.sleep(0.3)
+        copies = spy_on_copies(engine, {f"held.{i}" for i in range(20)})
+        assert copies.wait(30), "rank 0's copies never came"
     arrays = [np.arange(4.0) + 10 * i + 100 * r for i in range(20)]
     handles = [hvd.allreduce_async_(a, name=f"held.{i}", op=hvd.Sum)
                for i, a in enumerate(arrays)]
@@ -460,7 +483,7 @@ def burst_through_small_socket_buffers(count: int = 160) -> dict:
 
     hvd.init()
     r = hvd.rank()
-    for sock in _plumbing.current_engine()._control.values():
+    for sock in _plumbing.current_engine().control.socks.values():
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, 64 * 1024)
     hvd.barrier()
@@ -487,15 +510,17 @@ def hold_after_a_thread_switch() -> dict:
     r = hvd.rank()
     engine = _plumbing.current_engine()
     if r == 1:
-        hold = engine._hold
+        control = engine.control
+        hold = control.hold
 
         def slow_hold(peer, kind, requests):
-            engine._wake()  # the engine thread runs meanwhile
-            time.sleep(0.05)
+            control.wake()  # the engine thread runs meanwhile
+            time.sleep(0.05)  # a window for it (a race made likely, not an order)
             hold(peer, kind, requests)
 
-        engine._hold = slow_hold
-        time.sleep(0.3)  # rank 0's copies come first
+        control.hold = slow_hold
+        copy_in = spy_on_copies(engine, {"switch.0"})
+        assert copy_in.wait(30), "rank 0's copy of switch.0 never came"  # it comes first
     arrays = [np.arange(4.0) + 10 * (r + 1) + i for i in range(5)]
     for i, a in enumerate(arrays):
         hvd.synchronize(hvd.allreduce_async_(a, name=f"switch.{i}", op=hvd.Sum))
@@ -523,15 +548,21 @@ def submissions_while_another_thread_drives(count: int = 40) -> dict:
         hvd.barrier()
         hvd.shutdown()
         return {}
+    from hvd_spark.collectives import _plumbing
+
+    engine = _plumbing.current_engine()
     waiter = threading.Thread(target=hvd.allreduce, args=(np.ones(2),), kwargs={"name": "slow"})
     waiter.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while not engine._drivers and time.monotonic() < deadline:
+        time.sleep(1e-3)  # until thread A waits in "slow", running the cycles
+    assert engine._drivers, "thread A never waited in its allreduce"
     latencies = []
     for i in range(count):
-        time.sleep(0.005 + 0.01 * (i % 2))
+        time.sleep(0.005 + 0.01 * (i % 2))  # pacing: submissions fall at various points
         started = time.monotonic()
         h = hvd.allgather_async(np.ones(2), name=f"b.{i}")
-        while not hvd.poll(h):
+        while not hvd.poll(h) and time.monotonic() - started < 30:
             time.sleep(1e-4)
         latencies.append(time.monotonic() - started)
     waiter.join(30)

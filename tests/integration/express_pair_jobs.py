@@ -55,7 +55,7 @@ def _call(spec: dict, rank: int, step: int) -> np.ndarray:
 
 
 def _counters(engine, before: tuple[int, int]) -> dict:
-    lane = getattr(engine.comm, "express_lane", None)
+    lane = engine.comm.express_lane
     return {"express": engine.express_rounds - before[0],
             "fallbacks": engine.express_fallbacks - before[1],
             "lane_posts": 0 if lane is None else lane.posted}

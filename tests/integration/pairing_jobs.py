@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -166,11 +168,33 @@ def plan_mixed(seed: int, rounds: int) -> list[dict]:
              "inplace": rng.random() < 0.5} for i in range(rounds)]
 
 
+def first_then(r: int, first: int, call: Callable[[bool], Any]) -> Any:
+    """Run ``call`` on both ranks, rank ``first``'s request in before the other's call
+    starts: rank ``first`` submits it asynchronously, a barrier follows (its request
+    left before the barrier's, on the same socket, or is queued on rank 0 before it),
+    and only then does the other rank call (synchronously: the express path may take
+    it, with the first rank's request read already).
+
+    Args:
+        r: This rank.
+        first: The rank whose request comes first.
+        call: ``fn(asynchronous)``: the collective, started asynchronously (returning
+            its handle) or run synchronously (returning its result).
+    """
+    if r == first:
+        handle = call(True)
+        hvd.barrier()
+        return hvd.synchronize(handle)
+    hvd.barrier()
+    return call(False)
+
+
 def mismatched_then_good(seed: int, rounds: int) -> dict:
     """Each round one name is submitted with a mismatch (one rank's tensor pairable and
-    the other's not, or both pairable but different), the rank named ``late`` sleeping
-    first so either request arrives first; then the same name runs correctly. The
-    error must reach both ranks promptly, and the good run after it must be exact.
+    the other's not, or both pairable but different), the rank named ``late`` asking
+    second (``first_then``) so either request arrives first; then the same name runs
+    correctly, the other rank asking first. The error must reach both ranks promptly,
+    and the good run after it must be exact.
 
     Returns:
         {"errors": per round (error text or "no error", seconds), "good": per round
@@ -192,19 +216,25 @@ def mismatched_then_good(seed: int, rounds: int) -> dict:
             op = hvd.Max if odd else hvd.Sum
         else:
             x = np.ones((2, 2) if odd else (4,))
-        if r == rnd["late"]:
-            time.sleep(0.03)
+        def mismatched(asynchronous, x=x, name=name, op=op):
+            run = hvd.allreduce_async if asynchronous else hvd.allreduce
+            return run(x, name=name, op=op)
+
         start = time.monotonic()
         try:
-            hvd.allreduce(x, name=name, op=op)
+            first_then(r, 1 - rnd["late"], mismatched)
             errors.append(("no error", time.monotonic() - start))
         except Exception as exc:  # noqa: BLE001 - the test compares the messages
             errors.append((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
         spec = {"name": name, "n": 5, "dtype": "float64", "op": "Sum", "prescale": 1.0,
                 "postscale": 1.0, "inplace": rnd["inplace"]}
-        if r != rnd["late"]:
-            time.sleep(0.01)  # the other rank's request is in flight first this time
-        handle, inplace = _submit(spec, r, i)
+        # The late rank's request is in first this time.
+        if r == rnd["late"]:
+            handle, inplace = _submit(spec, r, i)
+            hvd.barrier()
+        else:
+            hvd.barrier()
+            handle, inplace = _submit(spec, r, i)
         value = hvd.synchronize(handle)
         good.append(inplace if inplace is not None else value)
     hvd.shutdown()
@@ -293,8 +323,8 @@ def process_sets_mixed(seed: int, steps: int) -> dict:
 def opposite_orders_and_late_halves(steps: int = 30) -> dict:
     """The same three small allreduces every step, submitted in opposite orders on the
     ranks (each must pair); a pairable and an unpairable half of one name; then a lone
-    allreduce whose half comes 0.3 s late from rank 1, then from rank 0 (the early half
-    waits for it and still pairs).
+    allreduce whose half comes late from rank 1, then from rank 0, after a barrier (the
+    early half waits for it and still pairs; ``first_then``).
 
     Returns:
         {"steps": per step the three results, "paired": pairs decided in the steps,
@@ -321,23 +351,30 @@ def opposite_orders_and_late_halves(steps: int = 30) -> dict:
     limit_rows = engine.lone_eager_bytes // 8
     for small, late in ((0, None), (1, None), (0, 0)):
         rows = 2 if r == small else limit_rows + 1
-        if r == late:
-            time.sleep(0.3)
+
+        def mixed(asynchronous, rows=rows, name=f"mixed{small}.{late}"):
+            return (hvd.allreduce_async if asynchronous else hvd.allreduce)(
+                np.ones(rows), name=name)
+
         start = time.monotonic()
         try:
-            hvd.allreduce(np.ones(rows), name=f"mixed{small}.{late}")
+            if late is None:
+                mixed(False)
+            else:
+                first_then(r, 1 - late, mixed)
             text = "no error"
         except Exception as exc:  # noqa: BLE001 - the test compares the messages
             text = f"{type(exc).__name__}: {exc}"
         out.setdefault("mixed", []).append((text, time.monotonic() - start))
     before = engine.paired
     out["warm"] = hvd.allreduce(np.ones(2) * (r + 1), op=hvd.Sum).tolist()
-    if r == 1:
-        time.sleep(0.3)  # rank 0's request waits for rank 1's
-    out["late1"] = hvd.allreduce(np.array([r + 1.0]), name="late1", op=hvd.Sum).tolist()
-    if r == 0:
-        time.sleep(0.3)  # rank 0 holds rank 1's request until it asks too
-    out["late0"] = hvd.allreduce(np.array([r + 2.0]), name="late0", op=hvd.Sum).tolist()
+    # Rank 0's request waits for rank 1's; then rank 0 holds rank 1's until it asks too.
+    for name, value, first in (("late1", r + 1.0, 0), ("late0", r + 2.0, 1)):
+        def late(asynchronous, name=name, value=value):
+            run = hvd.allreduce_async if asynchronous else hvd.allreduce
+            return run(np.array([value]), name=name, op=hvd.Sum)
+
+        out[name] = first_then(r, first, late).tolist()
     out["paired_late"] = engine.paired - before
     hvd.shutdown()
     return out

@@ -1,11 +1,11 @@
-"""The engine's wake-ups coalesce without ever being lost (real sockets, no ranks)."""
+"""The engine's wake-ups coalesce without ever being lost (its real control channel, no
+ranks)."""
 
 from __future__ import annotations
 
 import socket
-import types
 
-from hvd_spark.collectives.tcp.engine import TcpEngine
+from hvd_spark.collectives.tcp.control import ControlChannel
 
 
 class _RacingSocket:
@@ -25,20 +25,19 @@ class _RacingSocket:
 def test_a_wake_during_the_drain_is_never_lost():
     """Invariant: when the flag says a wake byte is on its way, one is in the socket (else
     every later wake is skipped and held work waits for the idle poll)."""
-    r, w = socket.socketpair()
-    r.setblocking(False)
-    state = types.SimpleNamespace(_wake_w=w, _wake_pending=False)
-    state._wake_r = _RacingSocket(r, lambda: TcpEngine._wake(state))
+    channel = ControlChannel(0, 1, {}, lambda: None, lambda exc: None)
+    r = channel.wake_r
+    channel.wake_r = _RacingSocket(r, channel.wake)
     try:
-        TcpEngine._wake(state)  # the first submission
-        TcpEngine._drain_wake(state)  # a second one lands while this reads
-        assert not state._wake_pending or _readable(r)
-        state._wake_r.on_recv = None
-        TcpEngine._wake(state)  # and the next wake still goes out
+        channel.wake()  # the first submission
+        channel.drain_wake()  # a second one lands while this reads
+        assert not channel._wake_pending or _readable(r)
+        channel.wake_r.on_recv = None
+        channel.wake()  # and the next wake still goes out
         assert _readable(r)
     finally:
-        r.close()
-        w.close()
+        channel.wake_r = r
+        channel.close()
 
 
 def _readable(sock: socket.socket) -> bool:

@@ -54,6 +54,10 @@ class DeviceAwareCommunicator(Communicator):
         self.plan: selection.DevicePlan | None = None
         self._device: Communicator | None = None
         self._staging = HostStagingCommunicator(host)
+        # The host backend's chunk size and express lane serve host buffers, which go to
+        # it; its allreduce options (source=, finish=) are not passed through.
+        self.tunes_chunks = host.tunes_chunks
+        self.express_lane = host.express_lane
 
     def __getattr__(self, name: str) -> Any:
         # The host backend's own attributes (a TCP ring's links, ...) stay visible.
@@ -136,6 +140,10 @@ class DeviceAwareCommunicator(Communicator):
     def subset(self, members: Sequence[int]) -> DeviceAwareCommunicator:
         """A process set's view: its own device path, formed at its first device collective."""
         return DeviceAwareCommunicator(self.host.subset(members), self.hostname, self.setting)
+
+    def set_chunk_bytes(self, chunk_bytes: int) -> None:
+        """The host backend's (see ``Communicator.set_chunk_bytes``)."""
+        self.host.set_chunk_bytes(chunk_bytes)
 
     def abort(self) -> None:
         if self._device is not None and self._device is not self._staging:

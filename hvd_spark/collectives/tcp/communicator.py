@@ -46,6 +46,9 @@ class TcpCommunicator(Communicator):
     """
 
     name = "tcp"
+    reads_source = True
+    finishes_segments = True
+    tunes_chunks = True
 
     def __init__(
         self,
@@ -60,6 +63,7 @@ class TcpCommunicator(Communicator):
         express_lane_bytes: int = 0,
     ) -> None:
         self.rank, self.size = rank, size
+        self._owns_links = True  # a process set's view shares them (see subset)
         self.slot_bytes = max(chunk_bytes, slot_bytes or 0)
         self.spin_s = spin_s
         self._ring = _RingSettings(chunk_bytes)
@@ -123,10 +127,6 @@ class TcpCommunicator(Communicator):
                 f"4096 and fit the {self.slot_bytes}-byte shared-memory slots")
         self._ring.chunk_bytes = chunk_bytes
 
-    #: ``allreduce`` takes ``source=``: out of place without copying the input first.
-    reads_source = True
-    finishes_segments = True
-
     def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp,
                   source: SegmentedBuffer | None = None,
                   finish: Callable[[list[np.ndarray]], None] | None = None) -> None:
@@ -165,15 +165,13 @@ class TcpCommunicator(Communicator):
         # shutdown() (unlike close) is safe while the engine thread uses the sockets,
         # and wakes a recv blocked on them, over TCP and shared memory alike.
         for link in self.links.values():
-            sock = getattr(link, "sock", None)
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
-        if not getattr(self, "_owns_links", True):
+        if not self._owns_links:
             return  # a process set's view: the world communicator closes the links
         for link in self.links.values():
             try:

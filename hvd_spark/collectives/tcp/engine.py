@@ -8,7 +8,8 @@ and a disagreement becomes an error on every rank instead of a hang.
 
 With two ranks, small allreduces skip rank 0's decision: each rank sends the other its
 request and both decide alone (``tcp.pairs``), a synchronous one on the caller's thread
-(``tcp.express``). Sending and receiving on the control sockets is ``tcp.control``'s.
+(``tcp.express``). The engine owns its parts: the control sockets (a ``ControlChannel``:
+holding, sending, waking, receiving, leaving) and, with two ranks, the ``Pairing``.
 
 The cycle runs on the background thread, or on a caller's thread while it waits
 (``EngineCore.wait``); the background thread parks meanwhile, so the two never
@@ -21,16 +22,18 @@ import socket
 import threading
 import time
 
+from hvd_spark.collectives import messages as m
 from hvd_spark.collectives import timeline
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
 from hvd_spark.collectives.operations import Entry
+from hvd_spark.collectives.ops import ReduceOp, reduce_rows
 from hvd_spark.collectives.pairing import pairable
 from hvd_spark.collectives.tcp import readiness, wire
-from hvd_spark.collectives.tcp.control import ControlMixin
+from hvd_spark.collectives.tcp.control import ControlChannel
 from hvd_spark.collectives.tcp.express import ExpressMixin
-from hvd_spark.collectives.tcp.pairs import PairingMixin
+from hvd_spark.collectives.tcp.pairs import Pairing
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError, HvdSparkError, PeerDisconnectedError
 
@@ -45,8 +48,12 @@ _GRACE_S = 200e-6
 _FRAMES_PER_CYCLE = 256
 
 
-class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
+class TcpEngine(ExpressMixin, EngineCore):
     """Runs one rank's collectives: a background thread, or the waiting caller.
+
+    Attributes:
+        control: The control sockets (``ControlChannel``).
+        pairing: With two ranks, the requests they decide alone (``Pairing``); else None.
 
     Args:
         rank, size: This rank and the world size.
@@ -64,12 +71,19 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         config: EngineConfig,
     ) -> None:
         super().__init__(rank, size, comm, config)
-        self._init_control(control)
+        self.control = ControlChannel(rank, size, control, lambda: self._failure,
+                                      self._record_failure)
         self._coordinator = (Coordinator(size, config.fusion_threshold, self.eager_bytes,
                                          self.lone_eager_bytes)
                              if rank == 0 else None)
         self._start_autotune(self._coordinator)
-        self._init_pairs(size)
+        # Two ranks decide their small allreduces alone (see ``pairing``); the express
+        # lane their tensors cross is the communicator's (a hierarchical one has none).
+        self.pairing = (Pairing(rank, comm.express_lane, config, self._lock, self._coordinator,
+                                self.control, self._pairing_open, self._execute,
+                                self._finish_pair)
+                        if size == 2 else None)
+        self._coordinated_at = 0.0  # rank 0: when the cycle last coordinated
         self._init_express()
         # A caller waiting for its operation polls this long before sleeping in select
         # (init() resolves the setting against the ranks on this host).
@@ -78,6 +92,49 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         self._parked = False  # the background thread stands aside for driving callers
         self._thread = threading.Thread(target=self._run, name="hvd-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def paired(self) -> int:
+        """Allreduces the two ranks decided alone (0 with more ranks; see ``pairing``)."""
+        return 0 if self.pairing is None else self.pairing.paired
+
+    @property
+    def frames_sent(self) -> int:
+        """Control frames this rank sent (a burst of submissions shares one)."""
+        return self.control.frames_sent
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """The control channel could not send: fail the engine (the first reason stays)."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = exc
+
+    def _pairing_open(self) -> bool:
+        """Rank 0: whether new requests may be paired (the coordinator would add nothing)."""
+        coord = self._coordinator
+        return (not coord.joined and not coord.departed and self._tuner is None
+                and timeline.current() is None and not self._stopping)
+
+    def _finish_pair(self, name: str, first: m.Request, second: m.Request) -> None:
+        """Reduce an agreed pair straight into this rank's entry and complete it."""
+        with self._lock:
+            entry = self._pending.pop(name, None)
+        if entry is None:
+            raise CollectiveError(f"rank {self.rank} paired {name!r}, which it never submitted")
+        try:
+            # Straight into this rank's output, which may be its own tensor's memory.
+            reduce_rows([first.payload, second.payload], ReduceOp(first.op), first.postscale,
+                        out=entry.array.reshape(-1))
+            entry.source = None
+            result = entry.finish(entry.array)
+        except BaseException as exc:
+            self._complete(entry, error=CollectiveError(
+                f"collective {name!r} failed on rank {self.rank}: {exc!r}"))
+            raise
+        self.executed_responses += 1
+        self.executed_tensors += 1
+        self.executed_eager += 1
+        self._complete(entry, result=result)
 
     # ------------------------------------------------------------------ caller side
 
@@ -99,7 +156,7 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
             # Parked, it looks again within PARK_S unless a caller drives first; not
             # waking it spares a synchronous call a GIL hand-off. A caller that drives
             # already (another thread) is woken to send these.
-            self._wake()
+            self.control.wake()
 
     def _submit_to_rank_0(self, entries: list[Entry]) -> None:
         """Hold the requests for rank 0; a response wakes the background thread, or a
@@ -113,11 +170,12 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         next round could reach rank 0 before this one.
         """
         requests = [e.request for e in entries]
-        with self._send_lock:  # requests leave in the order they were recorded
+        control = self.control
+        with control.send_lock:  # requests leave in the order they were recorded
             with self._lock:
-                if self._pairs is not None:
-                    self._record_own([r for r in requests if pairable(r)])
-                self._hold(0, "req", requests)
+                if self.pairing is not None:
+                    self.pairing.record_own([r for r in requests if pairable(r)])
+                control.hold(0, "req", requests)
 
     def _submit_on_rank_0(self, entries: list[Entry]) -> None:
         """Queue the requests for the coordinator, but for those the two ranks decide
@@ -127,11 +185,11 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         no response for them (sent under the same lock, after what is held) can
         overtake it on the wire.
         """
-        rest = entries
-        if self._pairs is not None:
-            with self._send_lock:
+        rest, pairs = entries, self.pairing
+        if pairs is not None:
+            with self.control.send_lock:
                 with self._lock:
-                    pairing, unpaired = self._pairing_open(), self._pairs.unpaired
+                    pairing, unpaired = self._pairing_open(), pairs.table.unpaired
                     paired, rest = [], []
                     for entry in entries:
                         request = entry.request
@@ -141,22 +199,22 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
                             rest.append(entry)
                     if paired:
                         requests = [e.request for e in paired]
-                        self._record_own(requests)
-                        self._hold(1, "pair", requests)  # (as in _submit_to_rank_0)
+                        pairs.record_own(requests)
+                        self.control.hold(1, "pair", requests)  # (as in _submit_to_rank_0)
         if rest:
             with self._lock:
                 self._queue.extend(rest)
 
     def _driver_arrived(self) -> None:
         if self._watching:
-            self._wake()  # it must leave the control sockets to this caller
+            self.control.wake()  # it must leave the control sockets to this caller
 
     def _drive(self, timeout: float) -> None:
         self._cycle(timeout, spin=self._spin_s)
 
     def _failed_while_driving(self) -> None:
-        self._tell_others(self._failure)
-        self._wake()  # the background thread sees the failure and closes
+        self.control.tell_others(self._failure)
+        self.control.wake()  # the background thread sees the failure and closes
 
     def shutdown(self) -> None:
         """Leave the job gracefully: tell the coordinator, wait for all ranks, close."""
@@ -164,7 +222,7 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
             if self._stopping:
                 return
             self._stopping = True
-        self._wake()
+        self.control.wake()
         self._thread.join(self.config.timeout)
 
     def abort(self, error: HvdSparkError) -> None:
@@ -177,14 +235,10 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
             if self._failure is None:
                 self._failure = error
         # Before the sockets go: the peers learn why, not just that this rank left.
-        self._tell_others(self._failure)
-        for sock in self._control.values():
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self.control.tell_others(self._failure)
+        self.control.shut_down()
         self.comm.abort()
-        self._wake()
+        self.control.wake()
 
     # ------------------------------------------------------------------ background thread
 
@@ -198,14 +252,14 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
                     if self._failure is not None:
                         raise self._failure
                     if self._stopping and not self._queue and not self._drivers:
-                        self._leave()
+                        self.control.leave()
                         return
                     self._cycle(0.0)
                     timeout = self._next_timeout()
                 self._watch(timeout)
         except BaseException as exc:  # noqa: BLE001 - every error fails the pending handles
             self._fail(exc)
-            self._tell_others(self._failure)
+            self.control.tell_others(self._failure)
         finally:
             with self._progress:
                 self._close()
@@ -230,8 +284,10 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         try:
             if self._drivers:
                 return  # it came meanwhile (it saw _watching unset, or will wake us)
-            readable = readiness.wait_readable([self._wake_r, *self._control.values()], timeout)
-            if (readable == [self._wake_r] and (self._queue or any(self._outbox.values()))
+            control = self.control
+            readable = readiness.wait_readable([control.wake_r, *control.socks.values()],
+                                               timeout)
+            if (readable == [control.wake_r] and (self._queue or any(control.outbox.values()))
                     and not self._drivers):
                 time.sleep(_GRACE_S)  # then park if the submitter came to drive
         finally:
@@ -249,15 +305,17 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         a small operation's answer usually comes within it, and waking from a sleep costs
         more than the whole operation does on a VM.
         """
-        decided = self._run_pairs()
-        self._flush()  # before blocking: the answers to these are what it waits for
+        control, pairs = self.control, self.pairing
+        decided = pairs is not None and pairs.run()
+        control.flush()  # before blocking: the answers to these are what it waits for
         timeout = 0.0 if self._queue or decided else min(max_wait, self._next_timeout())
-        watched = [self._wake_r, *self._control.values()]
+        wake_r = control.wake_r
+        watched = [wake_r, *control.socks.values()]
         readable = readiness.poll_readable(watched, min(spin, timeout))
         if not readable:
             readable = readiness.wait_readable(watched, timeout)
-        new = self._drain_local(self._wake_r in readable)
-        self._flush()  # what was submitted until the wake was read (see _drain_wake)
+        new = self._drain_local(wake_r in readable)
+        control.flush()  # what was submitted until the wake was read (see drain_wake)
         tl = timeline.current() if self._coordinator is not None else None
         if tl is not None:
             tl.mark_cycle()
@@ -267,10 +325,10 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         if self._coordinator is not None and new:
             self._add_own(new)
         for sock in readable:
-            if sock is not self._wake_r:
+            if sock is not wake_r:
                 self._read_frames(sock)
-        if self._pairs is not None:
-            self._run_pairs()
+        if pairs is not None:
+            pairs.run()
         if self._coordinator is not None:
             self._coordinate()
 
@@ -282,7 +340,7 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         rank 0 answered them in fused batches of a few as they trickled in; read
         together, they are decided (and fused) together.
         """
-        peer = self._sock_rank[sock.fileno()]
+        peer = self.control.peer_by_fd[sock.fileno()]
         for _ in range(_FRAMES_PER_CYCLE):
             self._on_control(peer, sock)
             if self._failure is not None or not readiness.wait_readable([sock], 0.0):
@@ -291,21 +349,21 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
     def _add_own(self, new: list[Entry]) -> None:
         """Rank 0: its own new requests for the coordinator (with rank 1's, if rank 1
         paired one that rank 0 could not)."""
-        coord, pairs = self._coordinator, self._pairs
+        coord, pairs = self._coordinator, self.pairing
         now = time.monotonic()
         for entry in new:
             request = entry.request
             if pairs is not None:
-                with self._lock:
-                    held = pairs.peer.pop(request.name, None)
-                    pairs.unpaired.discard(request.name)
+                with self._lock:  # (inline: each call here costs every collective)
+                    held = pairs.table.peer.pop(request.name, None)
+                    pairs.table.unpaired.discard(request.name)
                 if held is not None:
                     coord.add(1, held[0], held[1])
             coord.add(0, request, now)
 
     def _drain_local(self, woken: bool) -> list[Entry]:
         if woken:
-            self._drain_wake()
+            self.control.drain_wake()
         if not self._queue:
             return []
         with self._lock:
@@ -314,13 +372,13 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         return new
 
     def _on_control(self, peer: int, sock: socket.socket) -> None:
-        self._on_message(peer, *self._recv_control(peer, sock))
+        self._on_message(peer, *self.control.recv(peer, sock))
 
     def _on_message(self, peer: int, kind: str, payload) -> None:
         """Handle one control message from ``peer``."""
-        what = f"rank {peer}"
-        if kind in ("req", "pair"):
-            self._settle_lane(payload)
+        what, pairs = f"rank {peer}", self.pairing
+        if kind in ("req", "pair") and pairs is not None:
+            pairs.settle_lane(payload)
         if kind == "req":
             now = time.monotonic()
             tl = timeline.current()
@@ -329,28 +387,27 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
                     row = timeline_row(request.name, request.kind)
                     tl.negotiate_start(row, request.kind)
                     tl.negotiate_rank_ready(row, peer)
-                if self._pairs is not None:
-                    self._add_peer(request, now)
+                if pairs is not None:
+                    pairs.add_peer(request, now)
                 else:
                     self._coordinator.add(peer, request, now)
         elif kind == "pair":
             now = time.monotonic()
             for request in payload:
-                self._hold_peer(request, now)
+                pairs.hold_peer(request, now)
         elif kind == "resp":
-            if self._pairs:
-                self._run_pairs()  # quick, and their callers need not wait for the ring
+            if pairs:
+                pairs.run()  # quick, and their callers need not wait for the ring
             for response in payload:
-                if self._pairs:
-                    with self._lock:
-                        self._pairs.drop(response.names)
+                if pairs:
+                    pairs.drop(response.names)
                 self._execute(response)
         elif kind == "abort":
             error = PeerDisconnectedError(f"{payload} (as rank {peer} saw it)")
             error.root_reason, error.told_by = payload, peer  # passed on as it came
             raise error
         elif kind == "bye":
-            self._bye_from.add(peer)
+            self.control.bye_from.add(peer)
             if self._coordinator is None:
                 raise CollectiveError("rank 0 called shutdown(); no more collectives can run")
             self._coordinator.depart(peer, "called shutdown()")
@@ -358,11 +415,11 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
             raise CollectiveError(f"unexpected control message {kind!r} from {what}")
 
     def _coordinate(self) -> None:
-        coord = self._coordinator
+        coord, pairs = self._coordinator, self.pairing
         now = self._coordinated_at = time.monotonic()
         # Requests waiting to be paired (two ranks) stall and expire like the rest.
         coord.police_stalls(now, self.config, before_expiry=(
-            (lambda limit: self._check_pairs(now, limit)) if self._pairs else None))
+            (lambda limit: pairs.check(now, limit)) if pairs else None))
         if not coord.has_ready() or self._linger(coord, time.monotonic()) > 0:
             return
         self._first_ready = None
@@ -370,9 +427,10 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         self._taken(coord, responses)
         frame = wire.encode_obj(("resp", [r.fields() for r in responses]),  # once for all
                                 pooled=True)
-        with self._send_lock:  # callers' threads hold pair copies for these sockets too
-            for peer in self._control:
-                self._send(peer, [frame])
+        control = self.control
+        with control.send_lock:  # callers' threads hold pair copies for these sockets too
+            for peer in control.socks:
+                control.send(peer, [frame])
         for response in responses:
             self._execute(response)
 
@@ -380,5 +438,5 @@ class TcpEngine(ExpressMixin, PairingMixin, ControlMixin, EngineCore):
         # Closing our sockets makes every peer blocked on us fail at once, not at a timeout.
         self._closed = True
         self.comm.close()
-        self._close_sockets()
+        self.control.close()
         self._fail_pending()

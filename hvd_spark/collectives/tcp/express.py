@@ -74,11 +74,14 @@ class _Plan(NamedTuple):
 
 
 class ExpressMixin:
-    """The express half of ``TcpEngine`` (a mixin: it uses the engine's locks, tables,
-    pairing state and control sockets).
+    """The express half of ``TcpEngine``: caller-side code of the engine itself (it
+    claims the engine's progress lock, counts as a driving caller and, when something
+    else turns up, leaves the engine in the state a submission would have), kept in a
+    module of its own for size. It uses the engine's ``Pairing`` and ``ControlChannel``
+    through their interfaces, as the rest of the engine does.
 
     ``_init_express`` sets up its state; the engine's constructor calls it once, after
-    ``_init_pairs``.
+    making its parts.
     """
 
     def _init_express(self) -> None:
@@ -88,11 +91,12 @@ class ExpressMixin:
         self.express_rounds = 0
         self.express_fallbacks = 0
         # The smallest tensor that crosses the lane (none without one).
+        self._lane = None if self.pairing is None else self.pairing.lane
         self._lane_from = (math.inf if self._lane is None
                            else min(LANE_MIN_BYTES, self.lone_eager_bytes + 1))
-        if self._pairs is not None:
+        if self.pairing is not None:
             peer = 1 - self.rank
-            self._express_watched = [self._control[peer], self._wake_r]
+            self._express_watched = [self.control.socks[peer], self.control.wake_r]
             self._express_kind = "pair" if self._coordinator is not None else "req"
             self._peer_kind = "req" if self._coordinator is not None else "pair"
 
@@ -112,7 +116,7 @@ class ExpressMixin:
             The result (``array`` itself when ``inplace``), or None when this call does
             not qualify (the caller then submits it as usual, under the same name).
         """
-        if (self._pairs is None or not array.flags.c_contiguous
+        if (self.pairing is None or not array.flags.c_contiguous
                 or (inplace and not array.flags.writeable)):
             return None
         if array.nbytes > self.lone_eager_bytes and not self._takes_lane(array.nbytes):
@@ -168,11 +172,12 @@ class ExpressMixin:
         """Claim ``name`` when this rank has nothing else in flight and would pair it (as
         ``_submit_on_rank_0`` decides); also the other rank's request of it, when a cycle
         read that already."""
-        pairs = self._pairs
+        pairing, control = self.pairing, self.control
+        pairs = pairing.table
         with self._lock:
             peer_names = pairs.peer
             if (self._failure is not None or self._stopping or self._pending
-                    or self._queue or any(self._outbox.values()) or self._draining
+                    or self._queue or any(control.outbox.values()) or control.draining
                     or pairs.own or name in self._names_in_flight
                     or (peer_names and (len(peer_names) > 1 or name not in peer_names))):
                 return False, None
@@ -190,7 +195,7 @@ class ExpressMixin:
             # then leaves the rest to the cycle), and the background thread stays parked.
             self._drivers += 1
             held = pairs.peer.pop(name, None) if peer_names else None
-            self._pair_warned.discard(name)  # as _decide does for a pair it runs
+            pairing.warned.discard(name)  # as Pairing._decide does for a pair it runs
         return True, None if held is None else held[0]
 
     def _express_run(self, name: str, plan: _Plan, array: np.ndarray, inplace: bool,
@@ -215,8 +220,9 @@ class ExpressMixin:
             peer = 1 - self.rank
             # Pickled now: before any reduction into the tensor riding along.
             frame = wire.encode_obj((self._express_kind, [own]), pooled=True)
-            with self._send_lock:
-                self._send(peer, [frame])
+            control = self.control
+            with control.send_lock:
+                control.send(peer, [frame])
             if held is not None:
                 return self._express_held(name, own, plan, array, out, held)
             fields, message = self._express_read(name)
@@ -241,7 +247,7 @@ class ExpressMixin:
             if peer_lane is not None:
                 self._lane.release(peer_lane)  # read: its buffer is free
             self.express_rounds += 1  # (_express_done's lines, run on every call)
-            self.paired += 1
+            self.pairing.paired += 1
             self.executed_responses += 1
             self.executed_tensors += 1
             self.executed_eager += 1
@@ -258,7 +264,7 @@ class ExpressMixin:
 
     def _express_done(self, name: str) -> None:
         """Count an express call that ran alone and free its name."""
-        self.paired += 1
+        self.pairing.paired += 1
         self.express_rounds += 1
         self.executed_responses += 1
         self.executed_tensors += 1
@@ -317,13 +323,13 @@ class ExpressMixin:
         now = time.monotonic()
         with self._lock:
             self._pending[name] = entry
-            self._pairs.own[name] = (request, now)
+            self.pairing.table.own[name] = (request, now)
         peer = 1 - self.rank
         if peer_request is not None:
             self._on_message(peer, self._peer_kind, [peer_request])
         elif message is not None:
             self._on_message(peer, *messages_of(*message))
-        self._run_pairs()
+        self.pairing.run()
         return entry
 
     def _takes_lane(self, nbytes: int) -> bool:

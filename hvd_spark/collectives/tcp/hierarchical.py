@@ -75,6 +75,8 @@ class HierarchicalCommunicator(Communicator):
     """
 
     name = "tcp"
+    finishes_segments = True
+    tunes_chunks = True  # the flat ring's chunk, which the host and cross rings share
 
     def __init__(self, flat: TcpCommunicator, local_size: int, cross_size: int) -> None:
         self.flat = flat
@@ -83,8 +85,6 @@ class HierarchicalCommunicator(Communicator):
         host, self.local_rank = divmod(flat.rank, local_size)
         self.local = flat.subset([host * local_size + k for k in range(local_size)])
         self.cross = flat.subset([h * local_size + self.local_rank for h in range(cross_size)])
-
-    finishes_segments = True
 
     def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp,
                   finish: Callable[[list[np.ndarray]], None] | None = None) -> None:
@@ -160,8 +160,7 @@ class HierarchicalCommunicator(Communicator):
     def _deadline_s(self) -> float:
         # Every wait of the helper is bounded by its sockets' timeout (the collective
         # timeout); this bound only matters if the helper itself is stuck.
-        timeouts = [getattr(getattr(link, "sock", None), "gettimeout", lambda: None)()
-                    for link in self.cross.links.values()]
+        timeouts = [link.sock.gettimeout() for link in self.cross.links.values()]
         return max([t for t in timeouts if t] or [_FALLBACK_TIMEOUT_S]) + 5.0
 
     def reducescatter(self, buf: SegmentedBuffer, op: ops.ReduceOp, counts: Sequence[int]) -> None:

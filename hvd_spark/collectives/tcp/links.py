@@ -41,9 +41,15 @@ class Link(abc.ABC):
 
     Sends and receives on one link happen in the same order on both sides, so
     messages need no tags; a size header catches any disagreement.
+
+    Attributes:
+        peer: The other rank.
+        sock: The socket to it (shared memory sends its notices there); shutting it
+            down wakes any wait on the link.
     """
 
     peer: int
+    sock: socket.socket
 
     @abc.abstractmethod
     def send(self, views: Sequence[np.ndarray]) -> None:

@@ -7,107 +7,140 @@ recording and matching the halves, running agreed pairs, handing them to the coo
 when pairing must stop (a rank joined or left, a half waited too long), and the views
 of tensors that crossed the express lane (``express_lane``). The express path, which
 runs a synchronous allreduce of that kind on the caller's thread, is ``tcp.express``.
+
+The engine owns one ``Pairing`` (with two ranks only). It shares the engine's lock and
+coordinator, sends through the engine's ``ControlChannel``, and runs what it decides
+through three callbacks: whether pairing is open, running a response, and reducing an
+agreed pair into its entry.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections.abc import Callable
 
 from hvd_spark.collectives import messages as m
-from hvd_spark.collectives import timeline
-from hvd_spark.collectives.coordinator import stall_error, warn_stall
-from hvd_spark.collectives.ops import ReduceOp, reduce_rows
+from hvd_spark.collectives.communicator import ExpressLane
+from hvd_spark.collectives.coordinator import Coordinator, stall_error, warn_stall
 from hvd_spark.collectives.pairing import PairTable, disagreement, pairable
 from hvd_spark.collectives.tcp import wire
-from hvd_spark.collectives.tcp.express_lane import ExpressLane
+from hvd_spark.collectives.tcp.control import ControlChannel
+from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError
 
 # How often rank 0 looks for paired requests waiting too long (stall warning, timeout).
 PAIR_CHECK_S = 0.1
 
 
-class PairingMixin:
-    """The pairing half of ``TcpEngine`` (a mixin: it uses the engine's tables, locks,
-    coordinator and control sockets).
+class Pairing:
+    """Two ranks' paired requests: recording, matching, deciding and policing them.
 
-    ``_init_pairs`` sets up its state; the engine's constructor calls it once.
+    Args:
+        rank: This rank (0 or 1).
+        lane: The express lane the ranks' tensors may cross, or None.
+        config: The engine's settings (stall warning).
+        lock: The engine's lock: the table is used under it, by callers' threads and
+            the cycle alike.
+        coordinator: Rank 0's coordinator (None on rank 1).
+        control: The engine's control sockets.
+        may_pair: Rank 0: whether new requests may be paired (the coordinator would add
+            nothing to them).
+        execute: Runs a response on this rank (an error response, a stall's).
+        finish: Reduces an agreed pair (name, rank 0's request, rank 1's) into this
+            rank's entry and completes it.
+
+    Attributes:
+        table: The requests waiting for their other half.
+        lane: As given.
+        warned: Names a stall warning was given for (until decided).
+        paired: Allreduces the two ranks decided alone (see ``pairing``).
     """
 
-    def _init_pairs(self, size: int) -> None:
-        """Pair only with two ranks (``_pairs`` is None otherwise)."""
-        # Two ranks decide their small allreduces alone (see ``pairing``); under _lock.
-        self._pairs = PairTable() if size == 2 else None
-        # Two ranks on one host: the express lane their tensors cross (a hierarchical
-        # communicator, never of two ranks, has none).
-        self._lane: ExpressLane | None = (getattr(self.comm, "express_lane", None)
-                                          if size == 2 else None)
-        self._pair_warned: set[str] = set()
-        self._next_pair_check = 0.0
-        #: Allreduces the two ranks decided alone (see ``pairing``).
+    def __init__(self, rank: int, lane: ExpressLane | None, config: EngineConfig,
+                 lock: threading.Lock, coordinator: Coordinator | None,
+                 control: ControlChannel, may_pair: Callable[[], bool],
+                 execute: Callable[[m.Response], None],
+                 finish: Callable[[str, m.Request, m.Request], None]) -> None:
+        self.rank = rank
+        self.lane = lane
+        self.config = config
+        self._lock = lock
+        self._coordinator = coordinator
+        self._control = control
+        self._may_pair = may_pair
+        self._execute = execute
+        self._finish = finish
+        self.table = PairTable()
+        self.warned: set[str] = set()
+        self._next_check = 0.0
         self.paired = 0
-        self._coordinated_at = 0.0  # rank 0: when the cycle last coordinated
+
+    def __bool__(self) -> bool:
+        """Whether any request waits for its other half."""
+        table = self.table  # (not bool(table): one Python call less per message)
+        return bool(table.own or table.peer)
 
     # ------------------------------------------------------------------ express lane
 
-    def _view_lane(self, requests: list[m.Request]) -> None:
+    def view_lane(self, requests: list[m.Request]) -> None:
         """Replace, in ``requests``, those whose tensors crossed the lane by the same
         request with a view of the lane as payload (requests are values: never changed)."""
         for i, request in enumerate(requests):
             if request.lane is not None and request.payload is None:
-                view = self._lane.view(request.lane, request.dtype, math.prod(request.shape))
+                view = self.lane.view(request.lane, request.dtype, math.prod(request.shape))
                 requests[i] = request.with_payload(view, request.lane)
 
-    def _settle_lane(self, requests: list[m.Request]) -> None:
+    def settle_lane(self, requests: list[m.Request]) -> None:
         """Replace, in ``requests``, those whose tensors crossed the lane by the same
         request with a copy of the tensor, and free their buffers: the usual path may
         read them any time later."""
-        if self._lane is None:
+        if self.lane is None:
             return
-        self._view_lane(requests)
+        self.view_lane(requests)
         for i, request in enumerate(requests):
             if request.lane is not None:
                 requests[i] = request.with_payload(request.payload.copy())
-                self._lane.release(request.lane)
+                self.lane.release(request.lane)
 
-    # ------------------------------------------------------------------ pairing
+    # ------------------------------------------------------------------ recording
 
-    def _record_own(self, requests: list[m.Request]) -> None:
+    def record_own(self, requests: list[m.Request]) -> None:
         """Record this rank's paired ``requests`` (the caller holds the lock)."""
-        now, own = time.monotonic(), self._pairs.own
+        now, own = time.monotonic(), self.table.own
         for request in requests:
             own[request.name] = (request, now)
 
-    def _pairing_open(self) -> bool:
-        """Rank 0: whether new requests may be paired (the coordinator would add nothing)."""
-        coord = self._coordinator
-        return (not coord.joined and not coord.departed and self._tuner is None
-                and timeline.current() is None and not self._stopping)
-
-    def _add_peer(self, request: m.Request, now: float) -> None:
+    def add_peer(self, request: m.Request, now: float) -> None:
         """Rank 0: one of rank 1's requests, paired, held, or to the coordinator."""
-        coord, pairs, name = self._coordinator, self._pairs, request.name
+        coord, pairs, name = self._coordinator, self.table, request.name
         self._match_previous(name)
         with self._lock:
             own = pairs.own.get(name)
             if pairable(request) and (own is not None or (
-                    self._pairing_open() and not coord.waiting_for(name)
+                    self._may_pair() and not coord.waiting_for(name)
                     and name not in pairs.unpaired)):
                 pairs.peer[name] = (request, now)  # decided now, or once rank 0 asks
                 return
             if own is not None:  # rank 1's cannot be paired: neither can rank 0's
                 del pairs.own[name]
             elif not coord.waiting_for(name):  # rank 0 has yet to ask: it must not pair
-                pairs.unpaired.add(name)  # (_submit_on_rank_0 checks under this lock)
+                pairs.unpaired.add(name)  # (TcpEngine._submit_on_rank_0 checks under it)
         if own is not None:
             coord.add(0, own[0], own[1])
         coord.add(1, request, now)
 
-    def _hold_peer(self, request: m.Request, now: float) -> None:
+    def hold_peer(self, request: m.Request, now: float) -> None:
         """Rank 1: record rank 0's copy of a paired request."""
         self._match_previous(request.name)
         with self._lock:
-            self._pairs.peer[request.name] = (request, now)
+            self.table.peer[request.name] = (request, now)
+
+    def drop(self, names) -> None:
+        """Forget ``names`` (the coordinator answered them)."""
+        with self._lock:
+            self.table.drop(names)
 
     def _match_previous(self, name: str) -> None:
         """Before the other rank's next request of ``name`` is recorded, decide its
@@ -117,18 +150,20 @@ class PairingMixin:
         the other moves on to the next request of a name only once it has this rank's),
         unless the other rank broke the protocol.
         """
-        pairs = self._pairs
+        pairs = self.table
         if name not in pairs.peer:
             return
-        self._run_pairs()
+        self.run()
         if name in pairs.peer:
             raise CollectiveError(
                 f"rank {1 - self.rank} sent a second request of {name!r} before its first was "
                 "answered; the ranks disagree on that collective's history")
 
-    def _run_pairs(self) -> bool:
+    # ------------------------------------------------------------------ deciding
+
+    def run(self) -> bool:
         """Decide and run every name both ranks have paired; True when one ran."""
-        pairs = self._pairs
+        pairs = self.table
         if not pairs:
             return False
         with self._lock:
@@ -141,44 +176,25 @@ class PairingMixin:
         if matched:
             # This rank's requests may still be held, their tensors not yet pickled; the
             # reductions below write into those tensors.
-            self._flush()
+            self._control.flush()
         for name, own, peer in matched:
-            if self._pair_warned:
-                self._pair_warned.discard(name)
+            if self.warned:
+                self.warned.discard(name)
             first, second = (own, peer) if self.rank == 0 else (peer, own)
             error = disagreement(name, first, second)
             if error is not None:
                 self._execute(error)
             else:
-                self._finish_pair(name, first, second)
+                self._finish(name, first, second)
             self.paired += 1
 
-    def _finish_pair(self, name: str, first: m.Request, second: m.Request) -> None:
-        """Reduce an agreed pair straight into this rank's entry and complete it."""
-        with self._lock:
-            entry = self._pending.pop(name, None)
-        if entry is None:
-            raise CollectiveError(f"rank {self.rank} paired {name!r}, which it never submitted")
-        try:
-            # Straight into this rank's output, which may be its own tensor's memory.
-            reduce_rows([first.payload, second.payload], ReduceOp(first.op), first.postscale,
-                        out=entry.array.reshape(-1))
-            entry.source = None
-            result = entry.finish(entry.array)
-        except BaseException as exc:
-            self._complete(entry, error=CollectiveError(
-                f"collective {name!r} failed on rank {self.rank}: {exc!r}"))
-            raise
-        self.executed_responses += 1
-        self.executed_tensors += 1
-        self.executed_eager += 1
-        self._complete(entry, result=result)
+    # ------------------------------------------------------------------ rank 0's policing
 
-    def _release_pairs(self) -> None:
+    def _release(self) -> None:
         """Rank 0, once a rank joined or left: what waits to be paired goes to the
         coordinator instead (rank 0's own only when rank 1 can no longer ask for them,
         or it might decide them alone while the coordinator does too)."""
-        coord, pairs = self._coordinator, self._pairs
+        coord, pairs = self._coordinator, self.table
         with self._lock:
             # Complete pairs first, in the same hold: rank 1 may have both halves of
             # these (and decide them alone) even when it has joined since.
@@ -196,14 +212,14 @@ class PairingMixin:
         for request, since in peer:
             coord.add(1, request, since)
 
-    def _check_pairs(self, now: float, limit: float) -> None:
+    def check(self, now: float, limit: float) -> None:
         """Rank 0: stall warnings and the timeout for requests waiting to be paired."""
-        coord, pairs = self._coordinator, self._pairs
+        coord, pairs = self._coordinator, self.table
         if coord.joined or coord.departed:
-            self._release_pairs()
-        if now < self._next_pair_check:
+            self._release()
+        if now < self._next_check:
             return
-        self._next_pair_check = now + PAIR_CHECK_S
+        self._next_check = now + PAIR_CHECK_S
         oldest = pairs.oldest()
         # Nothing to warn about or to fail yet (the timeout may come before the warning).
         if oldest is None or now - oldest <= min(self.config.stall_warning, limit):
@@ -217,8 +233,8 @@ class PairingMixin:
             pairs.unpaired.update(n for n, *_ in own + peer)
             waiting = [(n, 0 if n in pairs.peer else 1) for n, (_, t) in
                        [*pairs.own.items(), *pairs.peer.items()]
-                       if now - t > self.config.stall_warning and n not in self._pair_warned]
-            self._pair_warned.update(n for n, _ in waiting)
+                       if now - t > self.config.stall_warning and n not in self.warned]
+            self.warned.update(n for n, _ in waiting)
         for name, missing in waiting:
             warn_stall(name, self.config.stall_warning, [missing])
         for _, request, since in peer:  # rank 1 expects the coordinator's answer
@@ -226,8 +242,8 @@ class PairingMixin:
         for name, _ in own:
             # Rank 1 never asked: the error expire() would give, on both ranks; rank 1
             # also drops rank 0's copy, so a late request of its own fails there too.
-            self._pair_warned.discard(name)
+            self.warned.discard(name)
             response = m.Response(m.ALLREDUCE, (name,), error=stall_error(name, [1], limit))
-            with self._send_lock:
-                self._send(1, [wire.encode_obj(("resp", [response.fields()]))])
+            with self._control.send_lock:
+                self._control.send(1, [wire.encode_obj(("resp", [response.fields()]))])
             self._execute(response)

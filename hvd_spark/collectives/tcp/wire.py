@@ -178,6 +178,17 @@ def authenticate_server(sock: socket.socket, secret: bytes) -> None:
         sock.settimeout(previous)
 
 
+def free_port(host: str = "") -> int:
+    """A TCP port that is free on this machine's ``host`` interface now (the kernel's pick).
+
+    Another process may take it before the caller binds it; whoever binds then fails at
+    once naming the address in use (as with torchrun's own probe).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def tune(sock: socket.socket) -> None:
     """Low latency and large buffers for collective traffic."""
     if sock.family != getattr(socket, "AF_UNIX", None):
