@@ -5,8 +5,8 @@ reaches no package index during the tests): a fresh virtualenv of the base inter
 that this one runs on, holding only the distributions a job needs, hard-linked from this
 environment's installed files (each distribution's ``RECORD``: the very files pip put
 here), plus hvd_spark built as a wheel from the checkout under test and installed by pip;
-then packed as a ``.tar.gz`` (stored, not compressed: the archive is about 1.9 GB, most
-of it TensorFlow).
+then packed as a ``.tar.gz`` (stored, not compressed: the archive is about 1.6 GB, most
+of it TensorFlow; the packages' C headers are left out).
 
 The venv's ``bin/python`` is a link to the base interpreter, so the archive runs where that
 interpreter is installed at the same path, as ``venv-pack``'s archives do. Here every
@@ -82,6 +82,8 @@ def _link_distribution(dist: metadata.Distribution, site: Path) -> int:
     for rel in dist.files or []:
         if rel.parts and rel.parts[0] == "..":  # console scripts: their shebangs are ours
             continue
+        if "include" in rel.parts[:-1]:
+            continue  # C headers (TensorFlow's are 290 MB): nothing imports them
         source = Path(dist.locate_file(rel))
         if not source.is_file():
             continue
