@@ -31,15 +31,19 @@ class SparkStandalone:
         workdir: Where logs and the workers' directories go (a temporary one if None).
         worker_conf: Spark properties for every worker (its ``--properties-file``), e.g.
             ``spark.worker.resource.gpu.*``.
+        worker_env: Variables set (a value) or removed (None) in the workers' environment
+            and so their executors': e.g. the hosts' own ``PYSPARK_PYTHON`` and ``PATH``.
     """
 
     def __init__(self, hosts: NetnsHosts, cores: int = 1, worker_memory: str = "1g",
                  workdir: str | None = None,
-                 worker_conf: Mapping[str, str] | None = None) -> None:
+                 worker_conf: Mapping[str, str] | None = None,
+                 worker_env: Mapping[str, str | None] | None = None) -> None:
         self.hosts = hosts
         self.cores = cores
         self.worker_memory = worker_memory
         self.worker_conf = dict(worker_conf or {})
+        self.worker_env = dict(worker_env or {})
         self._own_dir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="hvd-multihost-")
         self.master_url = ""
@@ -84,6 +88,11 @@ class SparkStandalone:
             os.makedirs(worker_dir, exist_ok=True)
             worker_env = {**env, "SPARK_LOCAL_IP": self.hosts.addrs[i],
                           "SPARK_LOCAL_DIRS": worker_dir}
+            for key, value in self.worker_env.items():
+                if value is None:
+                    worker_env.pop(key, None)
+                else:
+                    worker_env[key] = value
             self._procs.append(self.hosts.popen(
                 i, [spark_class, "org.apache.spark.deploy.worker.Worker", self.master_url,
                     "--host", self.hosts.addrs[i], "--cores", str(self.cores),

@@ -7,7 +7,9 @@ float32. Float16 scales the loss with a ``GradScaler`` and steps in Horovod's or
 ``synchronize()`` (the gradients averaged over the ranks), ``scaler.unscale_``, then
 ``scaler.step`` under ``skip_synchronize()``. Every rank unscales the same averaged
 gradients, so an overflow on any rank skips the step, and lowers the scale, on all of
-them. Validation and ``transform`` run in float32.
+them. Validation and ``transform`` run in float32. The scaler's state is saved in every
+epoch and step checkpoint, so a fit that resumes keeps the scale it had reached instead
+of skipping steps again while the scale falls from its initial value.
 
 torch is passed in (never imported here): the driver validates the Param without it.
 """
@@ -66,6 +68,16 @@ class AmpStep:
             self.step(optimizer)
             optimizer.zero_grad()
         return outputs, loss
+
+    def state_dict(self) -> dict | None:
+        """The GradScaler's state for a checkpoint (its loss scale and growth tracker), so
+        a resumed fit goes on at the scale it had reached; None without a scaler."""
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Go on from a checkpoint's scaler state (none saved: the scaler starts afresh)."""
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
 
     def step(self, optimizer: Any) -> None:
         """Step the DistributedOptimizer (skipped on every rank after an overflow)."""

@@ -222,6 +222,8 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         history = state["history"]
+        if amp:
+            amp.load_state_dict(state.get("scaler"))
         ranks = state["ranks"]
         resumed = {**ranks[hvd.rank() % len(ranks)], "steps": spec.start_step}
         if len(ranks) == hvd.size():  # same ranks: same dropout masks as without the loss
@@ -233,6 +235,8 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             history = state["history"]
+            if amp:
+                amp.load_state_dict(state.get("scaler"))
     _move_optimizer_state(optimizer)
     # Horovod's rule: ranks train at size x the user's rate; what is saved carries the user's.
     rates = TorchRates(optimizer, hvd.size() if spec.extra.get(SCALE_PARAM) else 1)
@@ -258,6 +262,10 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             for fn, out, label, col in zip(fns, outputs, labels, ds.label_cols):
                 hist.accumulate(sums, f"group_{g}_{col}", float(fn(out, label)))
 
+    def scaler_state() -> dict | None:
+        # Every rank unscales the same averaged gradients: rank 0's scale is every rank's.
+        return amp.state_dict() if amp else None
+
     def step_checkpoint(epoch: int, steps_done: int, sums: dict) -> None:
         """Every ``checkpoint_every_steps`` (after an optimizer step): the model, the
         optimizer and each rank's running sums and generator state, written by rank 0."""
@@ -270,7 +278,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
         if hvd.rank() == 0:
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "optimizer": rates.unscaled_state(),
-                        "history": history, "ranks": ranks}, buf)
+                        "history": history, "ranks": ranks, "scaler": scaler_state()}, buf)
             save_step_checkpoint(spec.store, spec.run_id, epoch, steps_done, buf.getvalue())
 
     def train_epoch(epoch) -> dict:
@@ -334,7 +342,7 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
         if hvd.rank() == 0 and spec.store is not None:  # the direct path keeps no checkpoints
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "optimizer": rates.unscaled_state(),
-                        "history": history}, buf)
+                        "history": history, "scaler": scaler_state()}, buf)
             spec.store.save_checkpoint(spec.run_id, epoch, buf.getvalue())
     if hvd.rank() != 0:
         return None

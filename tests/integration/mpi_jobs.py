@@ -353,5 +353,31 @@ def express() -> None:
     print(f"OK express {engine.express_rounds} {engine.express_fallbacks}", flush=True)
 
 
+#: How long rank 1 of ``slow_import`` takes before it calls init(): longer than the
+#: start timeout its test sets (5 s), as importing torch or TensorFlow can be.
+SLOW_IMPORT_S = 8.0
+
+
+def slow_import() -> None:
+    """Rank 1 reaches init() ``SLOW_IMPORT_S`` late; every rank says how long its init()
+    waited for the others.
+
+    MPI is initialised first, as in a script that imports mpi4py at its top: otherwise
+    MPI_Init itself (in init()) would wait for the late rank, with no deadline of ours.
+    """
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    if rank == 1:
+        time.sleep(SLOW_IMPORT_S)  # its imports, on a slow machine
+    start = time.monotonic()
+    hvd.init()
+    waited = time.monotonic() - start
+    total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=ops.Sum)
+    assert total[0] == 3.0, total
+    hvd.shutdown()
+    print(f"OK slow_import init waited {waited:.1f} s", flush=True)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

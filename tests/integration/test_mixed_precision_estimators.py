@@ -11,6 +11,8 @@ within ``mixed_precision_jobs``'s tolerance.
 from __future__ import annotations
 
 import copy
+import io
+import posixpath
 
 import keras
 import numpy as np
@@ -87,3 +89,51 @@ def test_keras_estimator_mixed_float16_fits_saves_loads_transforms(equivalence_f
     after = loaded.transform(equivalence_frame).select("label__output").collect()
     assert len(after) == jobs.ROWS and np.isfinite([r[0] for r in after]).all()
     assert [r[0] for r in after] == [r[0] for r in before]
+
+
+def _overflowing_fit(store: str, run_id: str) -> TorchEstimator:
+    """fp16 with targets far from the initial outputs: the scaled gradients overflow
+    float16 at GradScaler's initial scale (2^16), so the first steps are skipped while the
+    scale falls (the test checks that it fell)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(jobs.FEATURES, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 1))
+    return TorchEstimator(
+        num_proc=jobs.N, model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["target"],
+        batch_size=jobs.BATCH, epochs=2, shuffle=True, random_seed=7, verbose=0,
+        use_gpu=False, mixed_precision="fp16", store=store, run_id=run_id)
+
+
+def _scaler_state(store, run_id: str, epoch: int) -> dict:
+    data = store.read_bytes(posixpath.join(store.checkpoints_path(run_id),
+                                           f"epoch-{epoch:06d}.ckpt"))
+    return torch.load(io.BytesIO(data), weights_only=False)["scaler"]
+
+
+def test_torch_estimator_fp16_resumes_at_the_saved_loss_scale(spark, tmp_path) -> None:
+    from hvd_spark.data.store import Store
+
+    x, _ = jobs.dataset()
+    targets = 200.0 * x[:, 0] + 100.0
+    frame = spark.createDataFrame([(a.tolist(), float(t)) for a, t in zip(x, targets)],
+                                  "features array<float>, target double")
+    store_path = str(tmp_path / "store")
+    store = Store.create(store_path)
+    full = _overflowing_fit(store_path, "full").fit(frame)
+    after_first = _scaler_state(store, "full", 0)
+    # The test means something only if epoch 1 lowered the scale (overflows happened).
+    assert after_first["scale"] < 2.0 ** 16, after_first
+
+    # A fit that resumes from the first epoch's checkpoint (as a retry after a lost
+    # executor does) must go on at that scale: restarting at 2^16 would skip the first
+    # steps of epoch 2 again and end with other weights.
+    name = "epoch-000000.ckpt"
+    store.write_bytes(posixpath.join(store.checkpoints_path("resumed"), name),
+                      store.read_bytes(posixpath.join(store.checkpoints_path("full"), name)))
+    resumed = _overflowing_fit(store_path, "resumed").fit(frame)
+    assert [h["epoch"] for h in resumed.getHistory()] == [0, 1]
+    a, b = full.getModel().state_dict(), resumed.getModel().state_dict()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert _scaler_state(store, "resumed", 1) == _scaler_state(store, "full", 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -69,6 +70,32 @@ def test_a_collective_one_rank_never_calls_times_out():
     proc = _hvdrun_mpi(2, "timeout", HVD_SPARK_TIMEOUT="3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK timeout") == 2
+
+
+def test_init_waits_for_a_rank_slower_to_import_than_the_start_timeout():
+    """The start timeout bounds the ranks' start, not their imports (issue 47): rank 1
+    reaches init() 8 s late under a 5 s start timeout. It failed with "hvd_spark.init()
+    on rank 0: waiting for all 2 MPI ranks to call init() did not complete"."""
+    proc = _hvdrun_mpi(2, "slow_import", HVD_SPARK_START_TIMEOUT="5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    waits = [float(w) for w in re.findall(r"^\[0\] OK slow_import init waited ([\d.]+) s$",
+                                          proc.stdout, re.M)]
+    assert proc.stdout.count("OK slow_import") == 2, proc.stdout + proc.stderr
+    assert waits and waits[0] > 5.0, proc.stdout  # rank 0 did wait past the start timeout
+
+
+def test_a_rank_later_than_every_timeout_ends_the_job_with_the_reason():
+    """Past the collective timeout too, rank 0's init() gives up and the job ends (it hung
+    before: rank 1 completed the start barrier late and blocked in the calls after it,
+    while rank 0 waited for it in MPI_Finalize)."""
+    start = time.monotonic()
+    proc = _hvdrun_mpi(2, "slow_import", timeout=120, HVD_SPARK_START_TIMEOUT="3",
+                       HVD_SPARK_TIMEOUT="3")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "waiting for all 2 MPI ranks to call init()" in out, out
+    assert "aborting the MPI job" in out and "OK slow_import" not in out, out
+    assert time.monotonic() - start < 60, out  # rank 1 arrives after 8 s: no hang
 
 
 def test_a_shutdown_on_one_rank_stops_the_others_with_the_reason():

@@ -7,6 +7,7 @@ ranks with our local rank on the other hosts, as in Horovod.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
 import time
@@ -21,7 +22,9 @@ from hvd_spark.collectives.mpi.negotiation import Negotiation
 from hvd_spark.collectives.mpi.waiting import AbortChannel, wait
 from hvd_spark.collectives.nccl import device
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S, EngineConfig, WorldInfo
-from hvd_spark.errors import BackendUnavailableError
+from hvd_spark.errors import BackendUnavailableError, CollectiveTimeoutError
+
+log = logging.getLogger(__name__)
 
 
 def start(config: EngineConfig, comm: Any = None
@@ -35,7 +38,8 @@ def start(config: EngineConfig, comm: Any = None
 
     Raises:
         BackendUnavailableError: The MPI library cannot serve a background thread.
-        CollectiveTimeoutError: Some rank did not call ``init()`` within the start timeout.
+        CollectiveTimeoutError: Some rank did not call ``init()`` within the start timeout
+            or the collective timeout, whichever is longer.
     """
     if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
         raise BackendUnavailableError(
@@ -44,11 +48,20 @@ def start(config: EngineConfig, comm: Any = None
             "mpi4py.rc.thread_level below 'serialized'")
     world = MPI.COMM_WORLD if comm is None else comm
     rank, size = world.Get_rank(), world.Get_size()
-    start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
     # MPI's communicator calls below block without a deadline: first make sure every rank
-    # is here, with one.
-    wait(world.Ibarrier(), time.monotonic() + start_timeout, None,
-         f"hvd_spark.init() on rank {rank}: waiting for all {size} MPI ranks to call init()")
+    # is here, with one. mpirun started and connected every rank (MPI_Init) before this;
+    # what a peer still does is import its framework, which the start timeout does not
+    # count (as in Horovod, and as the TCP backend's init() waits): wait for it as long
+    # as a collective waits for its peers.
+    start_timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+    waited = max(start_timeout, config.timeout)
+    try:
+        wait(world.Ibarrier(), time.monotonic() + waited, None,
+             f"hvd_spark.init() on rank {rank}: waiting for all {size} MPI ranks to call "
+             "init()")
+    except CollectiveTimeoutError as exc:
+        _abort_job(world, exc)
+        raise
     data, control, aborts = world.Dup(), world.Dup(), world.Dup()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     cross = world.Split(color=local.Get_rank(), key=rank)
@@ -67,3 +80,18 @@ def start(config: EngineConfig, comm: Any = None
                        routed=device.wrap(comm, hostname))
     return info, engine, hosts
 
+
+def _abort_job(world: Any, exc: CollectiveTimeoutError) -> None:
+    """End every rank of the job after the start barrier timed out here.
+
+    The barrier cannot be withdrawn: a late rank would still complete it and then block
+    in the collective calls after it, while this rank's ``MPI_Finalize`` at exit waits for
+    that rank, and neither would ever end. ``MPI_Abort`` ends the whole job instead; the
+    reason is logged first, as the exception will not get further.
+    """
+    log.error("%s; aborting the MPI job (if a rank takes longer to start, raise "
+              "HVD_SPARK_TIMEOUT, or hvdrun's --timeout)", exc)
+    for handler in [*logging.getLogger().handlers, logging.lastResort]:
+        if handler is not None:
+            handler.flush()
+    world.Abort(1)
