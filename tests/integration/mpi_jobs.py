@@ -101,11 +101,16 @@ def timeout() -> None:
 
 def early_shutdown() -> None:
     hvd.init()
+    marker = os.environ["SHUTDOWN_MARKER"]  # rank 0 creates it once it has shut down
     if hvd.rank() == 0:
         hvd.shutdown()  # every rank's engine stops with it
+        open(marker, "w").close()
         print("OK early_shutdown", flush=True)
         return
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert os.path.exists(marker), "rank 0 did not shut down within 60 s"
     try:
         for _ in range(1000):
             hvd.allreduce(np.ones(4))

@@ -98,8 +98,8 @@ def test_a_rank_later_than_every_timeout_ends_the_job_with_the_reason():
     assert time.monotonic() - start < 60, out  # rank 1 arrives after 8 s: no hang
 
 
-def test_a_shutdown_on_one_rank_stops_the_others_with_the_reason():
-    proc = _hvdrun_mpi(2, "early_shutdown")
+def test_a_shutdown_on_one_rank_stops_the_others_with_the_reason(tmp_path):
+    proc = _hvdrun_mpi(2, "early_shutdown", SHUTDOWN_MARKER=str(tmp_path / "rank0_down"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK early_shutdown") == 2
 

@@ -171,16 +171,20 @@ def test_torch_estimator_fit_and_transform_over_connect(connect, tmp_path):
     assert accuracy > 0.9
 
 
-def _hold_slot(batches):
-    import time
+def _slot_holder(marker: str):
+    def hold_slot(batches):
+        import time
 
-    for _ in batches:
-        pass
-    time.sleep(90)
-    yield from ()
+        for _ in batches:
+            pass
+        open(marker, "w").close()  # the task is running: the test goes on
+        time.sleep(90)
+        yield from ()
+
+    return hold_slot
 
 
-def test_a_run_that_cannot_start_is_interrupted_by_its_tag(connect):
+def test_a_run_that_cannot_start_is_interrupted_by_its_tag(connect, tmp_path):
     import threading
 
     from hvd_spark.errors import RendezvousTimeoutError
@@ -192,14 +196,19 @@ def test_a_run_that_cannot_start_is_interrupted_by_its_tag(connect):
     def hold():
         connect.addTag("slot-holder")
         try:
-            connect.range(1, numPartitions=1).mapInArrow(_hold_slot, "id long").collect()
+            connect.range(1, numPartitions=1).mapInArrow(_slot_holder(marker),
+                                                         "id long").collect()
         except Exception as exc:
             errors.append(exc)
 
+    marker = str(tmp_path / "holding")
     holder = threading.Thread(target=hold, daemon=True)
     holder.start()
     try:
-        time.sleep(3)  # the holder's task is running
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(marker), "the slot holder's task never ran"
         started = time.monotonic()
         with pytest.raises(RendezvousTimeoutError, match="0 of 2 Spark tasks started"):
             hvd_spark.run(_allreduce, args=(1,), num_proc=2, start_timeout=5,
