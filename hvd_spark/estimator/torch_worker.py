@@ -233,6 +233,9 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             history = state["history"]
+            ranks = state.get("ranks") or []  # absent in checkpoints of older versions
+            if len(ranks) == hvd.size():  # same ranks: the same dropout masks go on
+                torch.set_rng_state(ranks[hvd.rank()]["rng"])
     _move_optimizer_state(optimizer)
     # Horovod's rule: ranks train at size x the user's rate; what is saved carries the user's.
     rates = TorchRates(optimizer, hvd.size() if spec.extra.get(SCALE_PARAM) else 1)
@@ -329,11 +332,14 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             record.update(hist.prefixed("val_", val_epoch(epoch)))
         record = hist.with_plain_names(hist.average_over_ranks(record), plain)
         history.append(record)
+        # Each rank's generator too: a fit resumed here draws what it would have drawn.
+        ranks = hvd.allgather_object({"rng": torch.get_rng_state()},
+                                     name=f"hvd_spark.epoch_checkpoint.{epoch}")
         if hvd.rank() == 0:
             hist.report(hist.displayed(record, plain), spec.epochs, spec.verbose)
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "optimizer": rates.unscaled_state(),
-                        "history": history}, buf)
+                        "history": history, "ranks": ranks}, buf)
             spec.store.save_checkpoint(spec.run_id, epoch, buf.getvalue())
     if hvd.rank() != 0:
         return None

@@ -65,11 +65,11 @@ class ProgressTail(threading.Thread):
     def __init__(self, path: str, events: Events, poll_s: float = 0.05) -> None:
         super().__init__(daemon=True, name="chaos-progress")
         self.path, self.events, self.poll_s = path, events, poll_s
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         offset, rest = 0, b""
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 with open(self.path, "rb") as f:
                     f.seek(offset)
@@ -81,7 +81,7 @@ class ProgressTail(threading.Thread):
             rest = lines.pop()
             for line in lines:
                 self._parse(line.decode(errors="replace"))
-            self._stop.wait(self.poll_s)
+            self._halt.wait(self.poll_s)
 
     def _parse(self, line: str) -> None:
         parts = line.split()
@@ -92,7 +92,7 @@ class ProgressTail(threading.Thread):
     def stop(self) -> None:
         """Stop reading (after one last read)."""
         time.sleep(2 * self.poll_s)
-        self._stop.set()
+        self._halt.set()
         self.join(5)
 
 
@@ -126,9 +126,10 @@ class LineTap:
     """A text stream (a run's ``stdout``/``stderr``) that records the lines saying a
     failure was noticed, and keeps the last lines for the report."""
 
-    def __init__(self, events: Events) -> None:
+    def __init__(self, events: Events, log_path: str | None = None) -> None:
         self.events = events
         self.lines: list[str] = []
+        self.log_path = log_path
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
@@ -139,6 +140,9 @@ class LineTap:
                 if DETECTED.search(line):
                     self.events.add(Event(now, "detected", text=line[:200]))
             del self.lines[:-200]
+            if self.log_path:
+                with open(self.log_path, "a") as f:
+                    f.write(text)
         return len(text)
 
     def flush(self) -> None:

@@ -34,6 +34,21 @@ def _last_step(steps: Sequence[Event], before: float) -> int | None:
     return max(done) if done else None
 
 
+def _went_on_from(steps: Sequence[Event], fault: Injected, detected: float | None
+                  ) -> list[Event]:
+    """Steps from the one that shows training went on. After a detected fault: the first
+    after the detection. Undetected, a fault with a duration may still have stalled the
+    ranks (a link down): then the first step after its end; steps all through it mean
+    training never stopped (steps already on the wire as it began do not count)."""
+    if detected is not None:
+        return [e for e in steps if e.at > detected]
+    if fault.duration > 1.0:
+        inside = [e for e in steps if fault.at + 0.5 < e.at < fault.at + fault.duration - 0.5]
+        if not inside:
+            return [e for e in steps if e.at >= fault.at + fault.duration - 0.5]
+    return [e for e in steps if e.at > fault.at]
+
+
 def rows(events: Events, injected: Sequence[Injected], started: float) -> list[Row]:
     """The rows of ``injected``, each fault's window ending where the next one begins."""
     out = []
@@ -44,7 +59,7 @@ def rows(events: Events, injected: Sequence[Injected], started: float) -> list[R
                  and e.kind in ("detected", "reset", "ended")]
         detected = signs[0].at if signs else None
         ended = next((e for e in events.since(fault.at, "ended") if e.at < end), None)
-        after = [e for e in steps if e.at > (detected or fault.at)]
+        after = _went_on_from(steps, fault, detected)
         went_on = after[0] if after and (ended is None or after[0].at < ended.at) else None
         before = _last_step(steps, went_on.at if went_on else (ended.at if ended else end))
         if ended is not None and went_on is None:

@@ -82,6 +82,7 @@ def soak(net: NetnsHosts, spark: Any, workload: str, count: int, seed: int,
     for note in notes:
         say(f"chaos: {note}")
     workdir = tempfile.mkdtemp(prefix="hvd-chaos-")
+    say(f"chaos: progress and rank logs in {workdir}")
     events = Events()
     ctx = workloads.Context(net, spark, events, workdir, os.path.join(workdir, "progress"),
                             deadline, threading.Event())

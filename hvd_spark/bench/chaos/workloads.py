@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from netns_cluster.hosts import NetnsHosts
 
 RANKS = 3
-PAUSE_S = 0.05
+#: Sleep per training step: about 3-5 steps a second, so faults spread over time.
+PAUSE_S = 0.2
 TAIL_STEPS = 40
 _GONE_WAIT_S = 60.0
 _SLOTS_WAIT_S = 180.0
@@ -121,7 +122,7 @@ def run_elastic(ctx: Context, steps: int, faults: int) -> list[str]:
     """The elastic loop under faults; problems found (empty: none)."""
     import hvd_spark
 
-    out = LineTap(ctx.events)
+    out = LineTap(ctx.events, os.path.join(ctx.workdir, "ranks.log"))
     ctx.events.add(Event(time.time(), "started"))
     results = hvd_spark.run_elastic(
         rank_jobs.elastic_loop, args=(steps, 5, ctx.progress, PAUSE_S), num_proc=RANKS,
