@@ -99,14 +99,18 @@ class ProgressTail(threading.Thread):
 class LogTap(logging.Handler):
     """Records hvd_spark's driver-side messages that mean a failure was noticed."""
 
-    def __init__(self, events: Events) -> None:
+    def __init__(self, events: Events, log_path: str | None = None) -> None:
         super().__init__(logging.INFO)
         self.events = events
         self.lines: list[str] = []
+        self.log_path = log_path
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         self.lines.append(text)
+        if self.log_path:
+            with open(self.log_path, "a") as f:
+                f.write(f"{record.created:.3f} {record.levelname} {text}\n")
         if DETECTED.search(text):
             self.events.add(Event(record.created, "detected", text=text[:200]))
 

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 #: How long a fault waits for a victim (a rank that a retry is starting) before giving up.
 TARGET_WAIT_S = 30.0
+#: How long after a fault that nothing detected training must still step to call it absorbed.
+DETECT_GRACE_S = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +83,17 @@ class Injector(threading.Thread):
         return found[0] if found else None
 
     def _settled(self, fault: faults.Injected) -> float | None:
-        """When training went on after ``fault`` (or its job ended), None while not yet."""
-        seen = self._detected(fault)
+        """When training went on after ``fault`` (or its job ended), None while not yet.
+
+        Undetected, a fault counts as absorbed only once training still steps
+        ``DETECT_GRACE_S`` after it (a lost executor can take seconds to be noticed).
+        """
         ended = [e.at for e in self.events.since(fault.at, "ended")]
         if ended:
             return ended[0]
-        after = max(seen or fault.at, fault.at + fault.duration)
+        seen = self._detected(fault)
+        after = (max(seen, fault.at + fault.duration) if seen is not None
+                 else fault.at + max(fault.duration, DETECT_GRACE_S))
         steps = self.events.since(after, "step")
         return steps[0].at if steps else None
 
@@ -111,7 +118,6 @@ class Injector(threading.Thread):
                     self.notes.append(f"{p.kind}: nothing to act on ({err} not running)")
                     return None
                 time.sleep(0.2)
-        fault.in_recovery = p.in_recovery
         if fault.duration:
             timer = threading.Timer(fault.duration, fault.undo)
             timer.daemon = True
@@ -131,10 +137,14 @@ class Injector(threading.Thread):
 
     def _one(self, p: Planned) -> bool:
         last = self.injected[-1] if self.injected else None
+        in_recovery = False
         if p.in_recovery and last is not None:
             if self._wait(lambda: self._detected(last) or self._settled(last)) is None:
                 return False
             time.sleep(p.delay)
+            # In a recovery only if the last fault was noticed and training has not resumed.
+            seen = self._detected(last)
+            in_recovery = seen is not None and not self.events.since(seen, "step")
         else:
             if last is not None:
                 settled = self._wait(lambda: self._settled(last))
@@ -150,6 +160,11 @@ class Injector(threading.Thread):
             return False
         fault = self._inject(p)
         if fault is not None:
+            fault.in_recovery = in_recovery
+            if p.in_recovery and not in_recovery:
+                self.notes.append(f"fault {len(self.injected) + 1} ({fault.kind}) was drawn to "
+                                  "land in a recovery, but the fault before it was absorbed "
+                                  "or training had gone on")
             self.injected.append(fault)
         return True
 

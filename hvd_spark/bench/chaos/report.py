@@ -62,7 +62,9 @@ def rows(events: Events, injected: Sequence[Injected], started: float) -> list[R
         after = _went_on_from(steps, fault, detected)
         went_on = after[0] if after and (ended is None or after[0].at < ended.at) else None
         before = _last_step(steps, went_on.at if went_on else (ended.at if ended else end))
-        if ended is not None and went_on is None:
+        if detected is None:
+            lost = 0  # absorbed: no rank lost its place (a new job's steps restart at 1)
+        elif ended is not None and went_on is None:
             lost = _last_step([e for e in steps if e.at > fault.at - 600], ended.at)
         elif went_on is not None and before is not None:
             lost = max(0, before - (went_on.n - 1))

@@ -102,7 +102,7 @@ def soak(net: NetnsHosts, spark: Any, workload: str, count: int, seed: int,
     tail = ProgressTail(ctx.progress, events)
     inject = injector.Injector(net, events, planned, rng, deadline, workload_done)
     runner = threading.Thread(target=body, daemon=True, name="chaos-workload")
-    with LogTap(events):
+    with LogTap(events, os.path.join(workdir, "driver.log")):
         tail.start()
         runner.start()
         inject.start()
@@ -124,6 +124,10 @@ def soak(net: NetnsHosts, spark: Any, workload: str, count: int, seed: int,
                         f"before the workload ended")
     notes += inject.notes
     problems += [f"left behind: {x}" for x in _leftovers(net)]
+    with open(os.path.join(workdir, "events.log"), "w") as f:
+        f.writelines(f"{e.at:.3f} {e.kind} {e.n} {e.text}\n" for e in events.since(0.0)
+                     if e.kind != "step")
+        f.writelines(f"{x.at:.3f} fault {x.kind} {x.where}\n" for x in inject.injected)
     began = events.since(0.0, "started")
     return SoakResult(report.rows(events, inject.injected, began[0].at if began else started),
                       problems, notes,
