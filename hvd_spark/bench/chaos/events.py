@@ -16,7 +16,7 @@ import time
 
 #: Driver-side messages that mean "a failure was noticed".
 DETECTED = re.compile(r"cancelling Spark job group|lost: .*resuming from|\) lost: |"
-                      r"rank \d+ .*lost|generation \d+: ")
+                      r"rank \d+ .*lost|aborting the collectives|generation \d+: .* after: ")
 
 
 @dataclasses.dataclass(frozen=True)
