@@ -117,3 +117,15 @@ def leftovers(net: NetnsHosts) -> list[str]:
             who = cmd.replace(b"\0", b" ").decode(errors="replace")[:80] or "no process"
             found.append(f"{host}: port {port} listens ({who})")
     return found
+
+
+def own_listening() -> set[int]:
+    """Ports this process (the driver) listens on: a run's services must close theirs."""
+    mine = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith("socket:["):
+                    mine.add(target[8:-1])
+    return {port for port, inode in listening(os.getpid()) if inode in mine}

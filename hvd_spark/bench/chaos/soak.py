@@ -99,6 +99,7 @@ def soak(net: NetnsHosts, spark: Any, workload: str, count: int, seed: int,
         finally:
             workload_done.set()
 
+    ports_before = hostprocs.own_listening()
     tail = ProgressTail(ctx.progress, events)
     inject = injector.Injector(net, events, planned, rng, deadline, workload_done)
     runner = threading.Thread(target=body, daemon=True, name="chaos-workload")
@@ -124,6 +125,8 @@ def soak(net: NetnsHosts, spark: Any, workload: str, count: int, seed: int,
                         f"before the workload ended")
     notes += inject.notes
     problems += [f"left behind: {x}" for x in _leftovers(net)]
+    problems += [f"left behind: the driver still listens on port {port}"
+                 for port in sorted(hostprocs.own_listening() - ports_before)]
     with open(os.path.join(workdir, "events.log"), "w") as f:
         f.writelines(f"{e.at:.3f} {e.kind} {e.n} {e.text}\n" for e in events.since(0.0)
                      if e.kind != "step")
