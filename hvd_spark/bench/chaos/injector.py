@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 #: How long a fault waits for a victim (a rank that a retry is starting) before giving up.
 TARGET_WAIT_S = 30.0
 #: How long after a fault that nothing detected training must still step to call it absorbed.
-DETECT_GRACE_S = 20.0
+DETECT_GRACE_S = 12.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +146,10 @@ class Injector(threading.Thread):
             seen = self._detected(last)
             in_recovery = seen is not None and not self.events.since(seen, "step")
         else:
-            if last is not None:
-                settled = self._wait(lambda: self._settled(last))
-                if settled is None:
-                    return False
-                since = float(settled)  # type: ignore[arg-type]
-            else:
-                since = 0.0
+            # The gap counts from the last fault, and its effect must have ended first.
+            if last is not None and self._wait(lambda: self._settled(last)) is None:
+                return False
+            since = last.at if last is not None else 0.0
             if self._wait(lambda: len(self.events.since(since, "step")) >= max(1, p.gap)
                           ) is None:
                 return False

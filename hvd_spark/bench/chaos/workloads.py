@@ -29,6 +29,8 @@ RANKS = 3
 #: Sleep per training step: about 3-5 steps a second, so faults spread over time.
 PAUSE_S = 0.2
 TAIL_STEPS = 40
+#: Steps per fault beyond its gap: training may go on while a fault settles.
+SLACK_STEPS = 30
 _GONE_WAIT_S = 60.0
 _SLOTS_WAIT_S = 180.0
 
