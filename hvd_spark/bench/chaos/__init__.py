@@ -16,6 +16,7 @@ nothing is left on any host, and the soak ends before its deadline.
 from __future__ import annotations
 
 import argparse
+import signal
 
 from hvd_spark.bench.multihost_allreduce import namespace_hosts
 
@@ -50,6 +51,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
     """Build the cluster, soak, print the table and the checks; 1 when a check failed."""
     args = parse_args(argv)
@@ -61,6 +66,9 @@ def main(argv: list[str]) -> int:
     from hvd_spark.bench.chaos.soak import SPARK_CONF, soak
     from netns_cluster.services import spark_cluster
 
+    # A SIGTERM (``timeout``, a CI runner) unwinds like an error, so the cluster's daemons
+    # and namespaces are removed: killed outright, the Spark daemons would outlive us.
+    signal.signal(signal.SIGTERM, _terminated)
     with spark_cluster(args.hosts, cores=1, conf=SPARK_CONF) as (net, spark):
         result = soak(net, spark, args.workload, args.faults, args.seed, args.deadline,
                       args.kinds)
