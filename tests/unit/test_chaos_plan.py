@@ -72,3 +72,17 @@ def test_a_driver_line_about_a_lost_rank_is_a_detection():
     assert [e.text[:40] for e in events.since(0.0)] == [
         "hvd_spark.run_elastic: rank 2 (worker 0.", "hvd_spark.run_elastic: generation 2: 2 r"]
     assert out.lines[1] == "[0] step 3"
+
+
+def test_bad_options_are_named_before_any_host_is_built(capsys):
+    import pytest
+
+    from hvd_spark.bench.chaos import parse_args
+
+    for argv, named in ((["--hosts", "2"], "--hosts"), (["--kinds", "rank-kill,flood"], "flood"),
+                        (["--faults", "0"], "--faults")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert named in capsys.readouterr().err
+    args = parse_args(["--faults", "4", "--workload", "elastic"])
+    assert args.deadline == 240 + 90 * 4 and args.kinds == list(faults.KINDS)
