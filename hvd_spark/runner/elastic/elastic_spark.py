@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import re
 import secrets
 import sys
 import threading
@@ -51,6 +52,25 @@ _POLL_S = 0.25
 _FINISH_GRACE_S = 60.0
 _LOST_PEER_ERRORS = ("HorovodInternalError", "PeerDisconnectedError", "ElasticJobError",
                      "RendezvousTimeoutError", "HostsUpdatedInterrupt")
+
+
+def task_attempts(spark: Any) -> int:
+    """How many times Spark runs a failing task (``spark.task.maxFailures``; local mode's
+    default is 1, or F of ``local[N,F]``; a cluster's is 4)."""
+    def conf(key: str) -> str:
+        try:
+            return str(spark.conf.get(key, "") or "")
+        except Exception:  # noqa: BLE001 - a Connect server may refuse to show a setting
+            return ""
+
+    value = conf("spark.task.maxFailures")
+    if value.isdigit():
+        return int(value)
+    master = conf("spark.master")
+    match = re.fullmatch(r"local\[[^,\]]+,\s*(\d+)\]", master)
+    if match:
+        return int(match.group(1))
+    return 1 if master.startswith("local") and not master.startswith("local-cluster") else 4
 
 
 def is_lost_peer_failure(failure: WorkerFailure) -> bool:
@@ -83,7 +103,8 @@ class ElasticSparkRun:
         self.spec = elastic_task.ElasticTaskSpec(
             driver_addr=f"{advertise_host}:{self.server.port}", secret=self.secret,
             start_timeout=settings.start_timeout, elastic_timeout=settings.elastic_timeout,
-            heartbeat_s=settings.heartbeat_s, env=user_env, run_id=self.run_id)
+            heartbeat_s=settings.heartbeat_s, env=user_env, run_id=self.run_id,
+            respawn=task_attempts(spark) > 1)
         self.remote = is_connect(spark)
         self.results: dict[str, tuple[int, bytes]] = {}
         self._thread: threading.Thread | None = None

@@ -50,6 +50,8 @@ class ElasticTaskSpec:
         heartbeat_s: Seconds of silence after which a worker counts as lost.
         env: User variables added to each worker's environment.
         run_id: Identifies the run in logs.
+        respawn: Fail the task when its worker process fails, so that Spark runs it again
+            as a new worker (when Spark may retry a task: ``spark.task.maxFailures`` > 1).
     """
 
     driver_addr: str
@@ -59,6 +61,11 @@ class ElasticTaskSpec:
     heartbeat_s: float
     env: dict[str, str]
     run_id: str
+    respawn: bool = False
+
+
+class WorkerProcessFailed(HvdSparkError):
+    """An elastic worker's process failed; its task fails so that Spark retries it."""
 
 
 def worker_env(base: dict[str, str], spec: ElasticTaskSpec, worker: str,
@@ -158,6 +165,12 @@ def arrow_task(spec: ElasticTaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
     partition = context.partitionId()
     returncode = run_worker(spec, partition, context.attemptNumber(),
                             task_gpu_addresses(context))
+    if returncode != 0 and spec.respawn:
+        # A task that ends normally is never run again: its slot would be gone for good
+        # after a rank was killed or froze, as if its executor had never come back.
+        raise WorkerProcessFailed(
+            f"hvd_spark.run_elastic: worker {partition}.{context.attemptNumber()} exited with "
+            f"code {returncode}; failing its task so that Spark runs it again as a new worker")
     yield pa.RecordBatch.from_pydict(
         {"partition": [partition], "returncode": [returncode]},
         schema=pa.schema([("partition", pa.int64()), ("returncode", pa.int64())]),
