@@ -11,6 +11,8 @@ of the ring, beat a heartbeat, and report their results there.
   restore their last commit and re-form the ring without it.
 - Spark runs the lost task again (``spark.task.maxFailures``) once an executor is free:
   the new attempt is a new worker, which joins the ring at the ranks' next ``commit()``.
+  A task whose worker process failed (killed, or frozen and dropped) fails too where Spark
+  retries tasks, else its slot would never come back (``ElasticTaskSpec.respawn``).
 - Slots beyond the cluster's capacity simply wait in Spark's queue: they join when
   capacity appears, up to ``max_np`` ranks.
 - The run ends when the final ring's ranks return; their results come back in rank order,
