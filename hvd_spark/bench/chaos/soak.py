@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -83,7 +84,7 @@ def soak(net: NetnsHosts, spark: Any, workload: str, count: int, seed: int,
     for note in notes:
         say(f"chaos: {note}")
     workdir = tempfile.mkdtemp(prefix="hvd-chaos-")
-    say(f"chaos: progress and rank logs in {workdir}")
+    say(f"chaos: progress and rank logs in {workdir} (removed if every check passes)")
     events = Events()
     ctx = workloads.Context(net, spark, events, workdir, os.path.join(workdir, "progress"),
                             deadline, threading.Event())
@@ -133,6 +134,8 @@ def soak(net: NetnsHosts, spark: Any, workload: str, count: int, seed: int,
                      if e.kind != "step")
         f.writelines(f"{x.at:.3f} fault {x.kind} {x.where}\n" for x in inject.injected)
     began = events.since(0.0, "started")
+    if not problems:  # kept for a look when a check failed
+        shutil.rmtree(workdir, ignore_errors=True)
     return SoakResult(report.rows(events, inject.injected, began[0].at if began else started),
                       problems, notes,
                       time.time() - started)
