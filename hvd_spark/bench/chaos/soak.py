@@ -77,7 +77,8 @@ def soak(net: NetnsHosts, spark: Any, workload: str, count: int, seed: int,
     drawn, notes = fault_kinds(net, kinds)
     planned = injector.plan(rng, count, drawn, workloads.GAPS[workload])
     # Training goes on while a fault settles: room for that, and for the end.
-    steps = sum(p.gap for p in planned) + count * workloads.SLACK_STEPS + workloads.TAIL_STEPS
+    steps = (sum(p.gap for p in planned) + count * workloads.SLACK_STEPS[workload]
+             + workloads.TAIL_STEPS)
     say(f"chaos: {workload}, {count} faults (seed {seed}), {steps} steps, deadline "
         f"{deadline_s:.0f} s; plan: " + ", ".join(
             p.kind + ("*" if p.in_recovery else f"@+{p.gap}") for p in planned))

@@ -29,8 +29,10 @@ RANKS = 3
 #: Sleep per training step: about 3-5 steps a second, so faults spread over time.
 PAUSE_S = 0.2
 TAIL_STEPS = 40
-#: Steps per fault beyond its gap: training may go on while a fault settles.
-SLACK_STEPS = 30
+#: Steps per fault beyond its gap, per workload: training may go on while a fault settles
+#: (up to its duration plus ``injector.DETECT_GRACE_S``: about 30 s, 120 steps, where an
+#: elastic ring goes on without the lost rank; a fit stalls until it resumes).
+SLACK_STEPS = {"fit": 30, "elastic": 120, "distributor": 0}
 _GONE_WAIT_S = 60.0
 _SLOTS_WAIT_S = 180.0
 
