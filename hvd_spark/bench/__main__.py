@@ -18,6 +18,7 @@ BENCHMARKS = {
                   "training from a DataFrame: through a Store vs straight from Spark"),
     "transform": ("hvd_spark.bench.transform_bench", "Model.transform rows/s: Arrow vs pandas"),
     "scaling": ("hvd_spark.bench.scaling", "predicted efficiency on 8-512 hosts (needs root)"),
+    "chaos": ("hvd_spark.bench.chaos", "workloads on namespace hosts under faults (root)"),
     "elastic": ("hvd_spark.bench.elastic_bench", "elastic recovery time and commit cost"),
     "paths": ("hvd_spark.bench.paths_bench", "allreduce in place vs out of place, per dtype"),
     "timeline": ("hvd_spark.bench.timeline_bench", "training step time, timeline off vs on"),

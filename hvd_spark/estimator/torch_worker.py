@@ -237,6 +237,9 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             history = state["history"]
             if amp:
                 amp.load_state_dict(state.get("scaler"))
+            ranks = state.get("ranks") or []  # absent in checkpoints of older versions
+            if len(ranks) == hvd.size():  # same ranks: the same dropout masks go on
+                torch.set_rng_state(ranks[hvd.rank()]["rng"])
     _move_optimizer_state(optimizer)
     # Horovod's rule: ranks train at size x the user's rate; what is saved carries the user's.
     rates = TorchRates(optimizer, hvd.size() if spec.extra.get(SCALE_PARAM) else 1)
@@ -337,12 +340,16 @@ def train_torch(spec: TrainSpec, payload: dict) -> dict | None:
             record.update(hist.prefixed("val_", val_epoch(epoch)))
         record = hist.with_plain_names(hist.average_over_ranks(record), plain)
         history.append(record)
+        # Each rank's generator too: a fit resumed here draws what it would have drawn.
+        ranks = (hvd.allgather_object({"rng": torch.get_rng_state()},
+                                      name=f"hvd_spark.epoch_checkpoint.{epoch}")
+                 if spec.store is not None else None)
         if hvd.rank() == 0:
             hist.report(hist.displayed(record, plain), spec.epochs, spec.verbose)
         if hvd.rank() == 0 and spec.store is not None:  # the direct path keeps no checkpoints
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "optimizer": rates.unscaled_state(),
-                        "history": history, "scaler": scaler_state()}, buf)
+                        "history": history, "scaler": scaler_state(), "ranks": ranks}, buf)
             spec.store.save_checkpoint(spec.run_id, epoch, buf.getvalue())
     if hvd.rank() != 0:
         return None

@@ -35,3 +35,33 @@ def count_steps(steps: int, commit_every: int = 1, pause_s: float = 0.0,
         return hvd.rank(), hvd.size(), state.step, state.total
 
     return loop(state)
+
+
+def count_steps_killing(steps: int, victims: dict[str, int], pause_s: float = 0.05
+                        ) -> tuple[int, int, int, float]:
+    """``count_steps``, where worker ``w`` of ``victims`` SIGKILLs itself at step
+    ``victims[w]`` (its process dies as a crash or the OOM killer would kill it)."""
+    import os
+    import signal
+
+    import numpy as np
+
+    import hvd_spark.collectives as hvd
+    from hvd_spark import _env
+
+    hvd.init()
+    dies_at = victims.get(os.environ.get(_env.WORKER_ID, ""))
+    state = hvd.elastic.ObjectState(step=0, total=0.0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < steps:
+            if state.step == dies_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            state.total += float(hvd.allreduce(np.ones(1), op=hvd.Sum)[0])
+            state.step += 1
+            state.commit()
+            time.sleep(pause_s)
+        return hvd.rank(), hvd.size(), state.step, state.total
+
+    return loop(state)

@@ -99,6 +99,22 @@ def test_an_executor_killed_mid_training_does_not_end_the_run(spark_three_execut
     assert 2 * STEPS <= results[0][3] <= 3 * STEPS
 
 
+def test_ranks_killed_one_after_another_are_replaced_by_new_attempts(spark_three_executors):
+    """Found by the chaos soak: a task whose worker process was killed (or froze and was
+    dropped) ended normally, so Spark never ran it again and its slot was gone for good;
+    after two such losses 1 of 3 workers was left, below min_np=2, and the run failed."""
+    err = io.StringIO()
+    results = hvd_spark.run_elastic(
+        elastic_jobs.count_steps_killing, args=(60, {"1.0": 10, "2.0": 30}), num_proc=3,
+        min_np=2, max_np=3, elastic_timeout=120, start_timeout=120, stderr=err,
+        env={"HVD_SPARK_HEARTBEAT_S": "3"})
+    log = err.getvalue()
+    assert [r[2] for r in results] == [60] * len(results) and len(results) >= 2, log
+    assert len({r[3] for r in results}) == 1, results
+    # Both losses were replaced: a second attempt of a killed task joined a ring.
+    assert re.search(r"worker [12]\.1", log) or len(results) == 3, log
+
+
 def test_a_bug_in_fn_ends_the_elastic_run_with_its_traceback(spark):
     def fn():
         import hvd_spark.collectives as hvd

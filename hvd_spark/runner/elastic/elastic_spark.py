@@ -11,6 +11,8 @@ of the ring, beat a heartbeat, and report their results there.
   restore their last commit and re-form the ring without it.
 - Spark runs the lost task again (``spark.task.maxFailures``) once an executor is free:
   the new attempt is a new worker, which joins the ring at the ranks' next ``commit()``.
+  A task whose worker process failed (killed, or frozen and dropped) fails too where Spark
+  retries tasks, else its slot would never come back (``ElasticTaskSpec.respawn``).
 - Slots beyond the cluster's capacity simply wait in Spark's queue: they join when
   capacity appears, up to ``max_np`` ranks.
 - The run ends when the final ring's ranks return; their results come back in rank order,
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import re
 import secrets
 import sys
 import time
@@ -49,6 +52,25 @@ from hvd_spark.runner.spark.job_thread import JobThread
 log = logging.getLogger("hvd_spark.runner")
 
 _POLL_S = 0.25
+
+
+def task_attempts(spark: Any) -> int:
+    """How many times Spark runs a failing task (``spark.task.maxFailures``; local mode's
+    default is 1, or F of ``local[N,F]``; a cluster's is 4)."""
+    def conf(key: str) -> str:
+        try:
+            return str(spark.conf.get(key, "") or "")
+        except Exception:  # noqa: BLE001 - a Connect server may refuse to show a setting
+            return ""
+
+    value = conf("spark.task.maxFailures")
+    if value.isdigit():
+        return int(value)
+    master = conf("spark.master")
+    match = re.fullmatch(r"local\[[^,\]]+,\s*(\d+)\]", master)
+    if match:
+        return int(match.group(1))
+    return 1 if master.startswith("local") and not master.startswith("local-cluster") else 4
 
 
 class ElasticSparkJob(ElasticJob):
@@ -86,7 +108,8 @@ class ElasticSparkJob(ElasticJob):
             driver_addr=f"{advertise_host}:{self.server.port}", secret=self.secret,
             start_timeout_s=settings.start_timeout_s,
             elastic_timeout_s=settings.elastic_timeout_s,
-            heartbeat_s=settings.heartbeat_s, env=dict(env or {}), run_id=self.run_id)
+            heartbeat_s=settings.heartbeat_s, env=dict(env or {}), run_id=self.run_id,
+            respawn=task_attempts(self.spark) > 1)
         self._job = JobThread(self.spark, f"hvd_spark-elastic-{self.run_id}",
                               f"hvd_spark.run_elastic of up to {settings.max_np} ranks",
                               self._frame,

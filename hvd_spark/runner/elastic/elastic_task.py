@@ -44,9 +44,16 @@ class ElasticTaskSpec(TaskLink):
 
     Attributes:
         elastic_timeout_s: Seconds to re-form a ring (``HVD_SPARK_ELASTIC_TIMEOUT``).
+        respawn: Fail the task when its worker process fails, so that Spark runs it again
+            as a new worker (when Spark may retry a task: ``spark.task.maxFailures`` > 1).
     """
 
     elastic_timeout_s: float
+    respawn: bool = False
+
+
+class WorkerProcessFailed(HvdSparkError):
+    """An elastic worker's process failed; its task fails so that Spark retries it."""
 
 
 def worker_env(base: dict[str, str], spec: ElasticTaskSpec, worker: str,
@@ -140,6 +147,12 @@ def arrow_task(spec: ElasticTaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
     partition = context.partitionId()
     returncode = run_worker(spec, partition, context.attemptNumber(),
                             task_gpu_addresses(context))
+    if returncode != 0 and spec.respawn:
+        # A task that ends normally is never run again: its slot would be gone for good
+        # after a rank was killed or froze, as if its executor had never come back.
+        raise WorkerProcessFailed(
+            f"hvd_spark.run_elastic: worker {partition}.{context.attemptNumber()} exited with "
+            f"code {returncode}; failing its task so that Spark runs it again as a new worker")
     yield pa.RecordBatch.from_pydict(
         {"partition": [partition], "returncode": [returncode]},
         schema=pa.schema([("partition", pa.int64()), ("returncode", pa.int64())]),
