@@ -78,7 +78,10 @@ def own_world(name: str, mpi_comm: object = None) -> Callable | None:
     """
     if mpi_comm is not None and name == "auto":
         name = "mpi"
-    if mpi_comm is not None and (name != "mpi" or not launched_by_mpirun()):
+    # An MPI process is enough here: hvdrun --mpi's ranks also carry our launcher's
+    # variables (to report back to it), which launched_by_mpirun reads as "not mpirun's".
+    in_mpi = any(var in os.environ for var in _MPI_LAUNCHER_VARS)
+    if mpi_comm is not None and (name != "mpi" or not in_mpi):
         raise ConfigError(
             "init(comm=<MPI communicator>) needs ranks started by mpirun (hvdrun --mpi or "
             f"mpirun) and the mpi backend ({_env.BACKEND}={name!r} here)")
