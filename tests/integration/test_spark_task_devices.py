@@ -10,7 +10,7 @@ import pytest
 
 import hvd_spark
 from hvd_spark.errors import ConfigError
-from hvd_spark.runner import api
+from hvd_spark.runner.spark import spark_launcher
 
 
 def _devices_and_variable():
@@ -31,7 +31,8 @@ def test_use_gpu_on_a_session_without_gpus_fails_before_anything_starts(spark, m
     def no_service(*args, **kwargs):
         raise AssertionError("the driver service started: the check came too late")
 
-    monkeypatch.setattr(api, "DriverService", no_service)  # no service, no barrier stage
+    # no service, no barrier stage
+    monkeypatch.setattr(spark_launcher, "DriverService", no_service)
     with pytest.raises(ConfigError) as err:
         hvd_spark.run(_devices_and_variable, num_proc=2, use_gpu=True, stdout=io.StringIO())
     text = str(err.value)
