@@ -48,6 +48,22 @@ def test_a_stall_that_nothing_detected_ends_with_the_fault():
     assert "absorbed, went on" in report.table([row])[2]
 
 
+def test_a_sign_as_the_run_ends_is_not_the_detection_of_an_absorbed_fault():
+    events = Events()
+    _steps(events, 0.0, 10.0, 1)
+    down = faults.Injected("link-down", "hvdhost3", 9.9, duration=5.0)
+    _steps(events, 15.0, 40.0, 51)  # training went on after the link came back
+    events.add(Event(80.0, "reset", text="generation 4 ... left generation 3 to re-form"))
+    row, = report.rows(events, [down], started=0.0)
+    assert row.detected is None and row.went_on is not None and row.lost == 0
+    # A stall that lasted until that sign is still a detection with nothing after it.
+    stalled = Events()
+    _steps(stalled, 0.0, 10.0, 1)
+    stalled.add(Event(80.0, "reset"))
+    row, = report.rows(stalled, [down], started=0.0)
+    assert row.detected is not None and row.went_on is None
+
+
 def test_a_fault_that_ends_its_job_names_the_error_and_loses_the_job():
     events = Events()
     _steps(events, 0.0, 4.0, 1)  # a DDP job's steps 1..20

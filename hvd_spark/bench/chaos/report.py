@@ -60,6 +60,12 @@ def rows(events: Events, injected: Sequence[Injected], started: float) -> list[R
         detected = signs[0].at if signs else None
         ended = next((e for e in events.since(fault.at, "ended") if e.at < end), None)
         after = _went_on_from(steps, fault, detected)
+        if detected is not None and not after and ended is None:
+            # A sign with no step after it, while steps followed the fault: training went
+            # on, and the sign is the last ring's teardown as the run ends, not this fault's.
+            through = _went_on_from(steps, fault, None)
+            if through and through[0].at < detected:
+                detected, after = None, through
         went_on = after[0] if after and (ended is None or after[0].at < ended.at) else None
         before = _last_step(steps, went_on.at if went_on else (ended.at if ended else end))
         if detected is None:
