@@ -107,10 +107,13 @@ class LauncherBackend(Backend):
 
     def run(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None,
             env: dict[str, str] | None = None) -> list:
-        config = self._resolved()
-        if env:
-            config = dataclasses.replace(config, env={**config.env, **env})
+        config = self._with_env(env)
         return run_function(self.launcher, self.launcher.prepare(config), fn, args, kwargs)
+
+    def _with_env(self, env: dict[str, str] | None) -> RunConfig:
+        """The resolved config, ``env`` added to the ranks' variables."""
+        config = self._resolved()
+        return dataclasses.replace(config, env={**config.env, **env}) if env else config
 
     def _resolved(self) -> RunConfig:
         # Only num_proc is kept: what else prepare resolves (use_gpu) stays the caller's.
@@ -204,7 +207,4 @@ class SparkBackend(LauncherBackend):
             return super().run(fn, args, kwargs, env)
         from hvd_spark.runner.api import run_with_report
 
-        config = self._resolved()
-        if env:
-            config = dataclasses.replace(config, env={**config.env, **env})
-        return run_with_report(fn, args, kwargs, config, df).results
+        return run_with_report(fn, args, kwargs, self._with_env(env), df).results
