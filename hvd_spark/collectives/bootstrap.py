@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,15 @@ from hvd_spark.collectives.tcp.engine import TcpEngine as Engine
 from hvd_spark.collectives.tcp.mesh import build_mesh
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S, EngineConfig, WorldInfo
-from hvd_spark.errors import ConfigError, PeerDisconnectedError
+from hvd_spark.errors import (
+    AuthenticationError,
+    ConfigError,
+    HorovodInternalError,
+    PeerDisconnectedError,
+    RendezvousTimeoutError,
+)
+
+log = logging.getLogger(__name__)
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
@@ -63,26 +72,15 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             # mpirun started the ranks (hvdrun --mpi): MPI itself forms the job and runs it.
             world, STATE.engine, hosts = own_world(config, mpi_comm)
         elif membership.is_elastic():
-            member = membership.membership()
-            start_heartbeat(member.addr, member.secret, member.worker)
-            world = member.join()  # blocks until the launcher forms the next generation
-            # torch.distributed code re-creates its process group after each reset from
-            # the generation's torchrun variables (rank, size, master).
-            os.environ.update(member.torch_env)
-            epoch = STATE.generation = member.generation
-            if STATE.heartbeat is not None:
-                STATE.heartbeat.set_generation(epoch)
+            world, hosts = _join_next_ring(config, factory)
         else:
             world = WorldInfo.from_env()
             epoch = next(STATE.epochs)
             if world.rendezvous_addr and _env.get_str(_env.HEARTBEAT):
                 start_heartbeat(wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR),
                                  world.secret, str(world.rank))
-        # Polling or not depends on how many ranks share this host's CPUs: settled once.
-        config = dataclasses.replace(
-            config, spin_us=config.spin_seconds(world.local_size) * 1e6)
-        if own_world is None:
-            STATE.engine, hosts = _start_engine(world, config, factory, epoch)
+            STATE.engine, hosts = _start_engine(world, _spin_for(config, world), factory,
+                                                epoch)
         STATE.world = world
         per_host = collections.Counter(hosts.values())
         STATE.homogeneous = len(set(per_host.values())) <= 1
@@ -93,6 +91,54 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         timeline.start_timeline(config.timeline_path, config.timeline_mark_cycles)
     for ps in process_sets or ():
         add_process_set(ps)
+
+
+def _spin_for(config: EngineConfig, world: WorldInfo) -> EngineConfig:
+    """Polling or not depends on how many ranks share this host's CPUs: settled once."""
+    return dataclasses.replace(config, spin_us=config.spin_seconds(world.local_size) * 1e6)
+
+
+def _join_next_ring(config: EngineConfig, factory: registry.Factory
+                    ) -> tuple[WorldInfo, dict[int, str]]:
+    """Join the launcher's next generation and connect its ring; the session's engine is
+    set. A ring that does not form, or that the launcher gave up while it formed (a
+    member froze or died), is left for the next generation; the launcher's deadlines end
+    the job (``join`` raises) when none can form.
+    """
+    member = membership.membership()
+    start_heartbeat(member.addr, member.secret, member.worker)
+    while True:
+        world = member.join()  # blocks until the launcher forms the next generation
+        # torch.distributed code re-creates its process group after each reset from
+        # the generation's torchrun variables (rank, size, master).
+        os.environ.update(member.torch_env)
+        epoch = member.generation
+        with STATE.abort_lock:
+            STATE.generation = epoch
+        if STATE.heartbeat is not None:
+            STATE.heartbeat.set_generation(epoch)
+        try:
+            engine, hosts = _start_engine(world, _spin_for(config, world), factory, epoch)
+        except (RendezvousTimeoutError, HorovodInternalError, AuthenticationError,
+                OSError) as exc:
+            log.warning("the ring of generation %d did not form (%s); joining the next one",
+                        epoch, _broken_reason(epoch) or exc)
+            continue
+        with STATE.abort_lock:
+            broken = _broken_reason(epoch)
+            if broken is None:
+                STATE.engine = engine
+                return world, hosts
+        log.warning("the ring of generation %d was given up as it formed (%s); joining "
+                    "the next one", epoch, broken)
+        engine.abort(PeerDisconnectedError(broken))
+        engine.shutdown()
+
+
+def _broken_reason(generation: int) -> str | None:
+    """Why the launcher gave up ring ``generation``, if it did."""
+    broken = STATE.broken
+    return broken[1] if broken is not None and broken[0] == generation else None
 
 
 def _start_engine(world: WorldInfo, config: EngineConfig, factory: registry.Factory,
@@ -120,6 +166,8 @@ def _start_engine(world: WorldInfo, config: EngineConfig, factory: registry.Fact
         start_timeout = max(start_timeout, config.timeout)
     addr = wire.parse_addr(world.rendezvous_addr, _env.RENDEZVOUS_ADDR)
     store = StoreClient(addr, world.secret, start_timeout)
+    with STATE.abort_lock:
+        STATE.forming = store  # the heartbeat's abort interrupts its waits
     try:
         mesh = build_mesh(
             world.rank, world.size, store, world.secret, world.hostname,
@@ -127,6 +175,8 @@ def _start_engine(world: WorldInfo, config: EngineConfig, factory: registry.Fact
             connect_timeout=connect_timeout,
         )
     finally:
+        with STATE.abort_lock:
+            STATE.forming = None
         store.close()
     for sock in [*mesh.data.values(), *mesh.control.values()]:
         sock.settimeout(config.timeout)
@@ -153,10 +203,21 @@ def start_heartbeat(addr: tuple[str, int], secret: bytes, worker: str) -> None:
 
 
 def _abort(generation: int, reason: str) -> None:
-    """The launcher says ring ``generation`` is broken: fail its collectives now."""
-    engine = STATE.engine
-    if engine is not None and generation == STATE.generation:
+    """The launcher says ring ``generation`` is broken: fail its collectives now.
+
+    The word may come while ``init()`` still forms that ring (a member froze or died as
+    it formed): it is kept, the ring's rendezvous waits are cut short, and ``init()``
+    joins the next generation instead of training on in a ring the launcher gave up.
+    """
+    with STATE.abort_lock:
+        if generation != STATE.generation:
+            return
+        STATE.broken = (generation, reason)
+        engine, forming = STATE.engine, STATE.forming
+    if engine is not None:
         engine.abort(PeerDisconnectedError(reason))
+    elif forming is not None:
+        forming.interrupt()
 
 
 def shutdown() -> None:

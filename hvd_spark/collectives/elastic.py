@@ -35,10 +35,8 @@ from hvd_spark.collectives.membership import (  # re-exported: elastic's public 
     membership,
 )
 from hvd_spark.errors import (
-    AuthenticationError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
-    RendezvousTimeoutError,
 )
 
 log = logging.getLogger(__name__)
@@ -144,17 +142,12 @@ class ObjectState(State):
 def reset() -> None:
     """Leave the current ring and join the next generation (shutdown, then init).
 
-    A generation whose ring cannot connect (a member died while it formed) is left for
-    the next one; the launcher's deadlines end the job when none can form.
+    ``init()`` of an elastic worker leaves a generation whose ring cannot connect (a
+    member died or froze while it formed) for the next one; the launcher's deadlines end
+    the job when none can form.
     """
-    while True:
-        bootstrap.shutdown()
-        try:
-            bootstrap.init()
-            return
-        except (RendezvousTimeoutError, HorovodInternalError, AuthenticationError) as exc:
-            log.warning("the ring of generation %d did not form (%s); joining the next one",
-                        membership().generation, exc)
+    bootstrap.shutdown()
+    bootstrap.init()
 
 
 def run(func: F) -> F:

@@ -19,6 +19,7 @@ from hvd_spark.errors import CollectiveError
 if TYPE_CHECKING:
     from hvd_spark.collectives.engine_core import EngineCore
     from hvd_spark.collectives.heartbeat import Heartbeat
+    from hvd_spark.collectives.tcp.store import StoreClient
 
 
 class Session:
@@ -37,6 +38,12 @@ class Session:
             None when the launcher asked for none.
         generation: The ring generation the heartbeat beats for (elastic jobs count
             generations; fixed jobs stay at 0).
+        abort_lock: Orders the heartbeat's abort against ``init()`` setting the engine (not
+            ``lock``: ``init()`` holds that while the ring forms, and the heartbeat must
+            not wait on it).
+        broken: ``(generation, reason)`` of the last ring the launcher said was broken,
+            kept for an engine that did not exist yet when the word came.
+        forming: The rendezvous client of a ring being formed, or None.
     """
 
     def __init__(self) -> None:
@@ -49,6 +56,9 @@ class Session:
         self.homogeneous = True
         self.heartbeat: Heartbeat | None = None
         self.generation = 0
+        self.abort_lock = threading.Lock()
+        self.broken: tuple[int, str] | None = None
+        self.forming: StoreClient | None = None
 
 
 #: The process's one session.

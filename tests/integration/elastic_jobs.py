@@ -65,3 +65,34 @@ def count_steps_killing(steps: int, victims: dict[str, int], pause_s: float = 0.
         return hvd.rank(), hvd.size(), state.step, state.total
 
     return loop(state)
+
+
+def count_steps_freezing_in_the_first_ring(steps: int, victim: str, freeze_s: float
+                                           ) -> tuple[int, int, int, float]:
+    """``count_steps``, where worker ``victim`` freezes (SIGSTOP) for ``freeze_s`` right
+    after it got its place in the first generation, before that ring has connected.
+
+    A rank frozen as its ring forms: the launcher declares it lost while the others still
+    wait for it to connect; when it resumes, the ring connects, but it is one the launcher
+    has given up, and must not train on.
+    """
+    import os
+    import signal
+    import subprocess
+
+    from hvd_spark import _env
+    from hvd_spark.collectives import membership
+
+    join = membership.Membership.join
+
+    def join_then_freeze(self: membership.Membership):
+        world = join(self)
+        if self.worker == victim and self.generation == 1:
+            # A process cannot resume itself: a sibling sends the SIGCONT.
+            subprocess.Popen(["sh", "-c", f"sleep {freeze_s}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return world
+
+    if os.environ.get(_env.WORKER_ID) == victim:
+        membership.Membership.join = join_then_freeze
+    return count_steps(steps, commit_every=2, pause_s=0.01)

@@ -185,6 +185,22 @@ def test_run_elastic_local_returns_the_final_ranks_results_in_rank_order():
     assert all(r[3] == 3 * 8 + 2 * 32 for r in results)
 
 
+def test_a_rank_frozen_as_its_ring_forms_does_not_train_on_in_a_ring_given_up():
+    # Worker 2 freezes for 6 s right after joining generation 1, before the ring
+    # connects; the launcher declares it lost after 2 s of silence. When it resumes,
+    # the ring can still connect (the mesh waits 30 s): before the fix the survivors had
+    # heard "broken" before their engine existed, forgot it, and trained on in the ring
+    # the launcher had given up, and the job never finished.
+    from tests.integration.elastic_jobs import count_steps_freezing_in_the_first_ring
+
+    results = run_elastic_local(
+        count_steps_freezing_in_the_first_ring, args=(20, "2", 6.0), num_proc=3,
+        min_np=2, cooldown=None, start_timeout=60, elastic_timeout=30,
+        env={"HVD_SPARK_HEARTBEAT_S": "2"})
+    assert [r[:3] for r in results] == [(0, 2, 20), (1, 2, 20)]
+    assert results[0][3] == results[1][3] == 2 * 20  # only the second ring's steps count
+
+
 def test_elastic_settings_are_checked_before_anything_starts():
     with pytest.raises(ConfigError, match="min_np <= num_proc <= max_np"):
         run_elastic_local(_numpy_elastic, args=(0,), num_proc=3, min_np=4)

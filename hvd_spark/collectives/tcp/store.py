@@ -7,6 +7,7 @@ kinds (``handlers``) to the same server, e.g. to collect results and logs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -203,6 +204,11 @@ class StoreClient:
     def get(self, key: str, timeout: float) -> Any:
         """Wait up to ``timeout`` s for ``key``."""
         return self.call("get", key, timeout, timeout=timeout)
+
+    def interrupt(self) -> None:
+        """Fail the call in flight (from another thread) and every later one."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Close the connection."""
