@@ -85,6 +85,10 @@ ELASTIC = "HVD_SPARK_ELASTIC"
 #: smallest share's row count (``hvd_spark.data.rank_share``).
 SHARE_PATH = "HVD_SPARK_SHARE_PATH"
 SHARE_MIN_ROWS = "HVD_SPARK_SHARE_MIN_ROWS"
+#: Not a variable: the launcher store's key where a Spark run publishes the smallest share
+#: (``("ok", rows)``, or ``("error", why)``) once every task wrote its own, for ranks
+#: started without ``SHARE_MIN_ROWS`` (they start while the shares are written).
+SHARE_MIN_ROWS_KEY = "share.min_rows"
 #: "1": ranks serve ``import horovod...`` through ``hvd_spark.compat`` (HorovodRunner sets it).
 HOROVOD_ALIAS = "HVD_SPARK_HOROVOD_ALIAS"
 WORKER_ID = "HVD_SPARK_WORKER_ID"

@@ -1,21 +1,25 @@
 """This rank's share of a DataFrame handed to ``run(fn, df=...)``: no Store, no shared filesystem.
 
-The rank's Spark task wrote the rows Spark gave it to an Arrow IPC file on the executor's
-local disk (``share_writer``) before the rank started; the rank memory-maps that file and
-reads shuffled batches from it, epoch after epoch. Memory: the file's pages are mapped, not
-loaded (the kernel pages them in and drops them as it needs); what a rank holds is one
-epoch's row order (8 bytes a row) and the batch being built, so a share larger than memory
-trains. Columns follow ``make_converter``'s rules: integers as int64, floats as
-``float_dtype`` (float32 by default), arrays and ML Vectors (arrays by then) as 2-D arrays.
+The rank's Spark task writes the rows Spark gives it to an Arrow IPC file on the executor's
+local disk (``write_share``) while the rank starts (imports, joins the ring, builds its
+model); the rank waits for the shares only when it first reads (``RankShare.current``),
+then memory-maps its file and reads shuffled batches from it, epoch after epoch.
+Memory: the file's pages are mapped, not loaded (the kernel pages them in and drops them
+as it needs); what a rank holds is one epoch's row order (8 bytes a row) and the batch
+being built, so a share larger than memory trains. Columns follow ``make_converter``'s
+rules: integers as int64, floats as ``float_dtype`` (float32 by default), arrays and ML
+Vectors (arrays by then) as 2-D arrays.
 
 Equal steps on every rank: each epoch has ``min_rows // batch_size`` batches, where
-``min_rows`` is the smallest share of any rank (the driver tells each rank), so ranks that
-run a collective per batch never wait for one that ran out; each epoch drops different rows.
+``min_rows`` is the smallest share of any rank (the launcher tells each rank: in its
+environment, or on a Spark run through its store once every share is written), so ranks
+that run a collective per batch never wait for one that ran out; each epoch drops
+different rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -63,8 +67,7 @@ class RankShare:
                 "this rank has no DataFrame share: pass the DataFrame to the launcher, "
                 "hvd_spark.run(fn, df=df) (or TorchDistributor.train_on_dataframe(fn, df)), "
                 "and read it inside fn")
-        return cls(path, _env.get_int(_env.SHARE_MIN_ROWS, 0) or 0,
-                   _env.get_int(_env.RANK, 0) or 0)
+        return cls(path, _min_rows(), _env.get_int(_env.RANK, 0) or 0)
 
     @property
     def num_rows(self) -> int:
@@ -175,11 +178,32 @@ def _to_numpy(column: Any, float_dtype: np.dtype | None) -> np.ndarray:
     return out.astype(target_dtype(out.dtype, float_dtype), copy=False)
 
 
+#: Where a rank started without ``SHARE_MIN_ROWS`` learns it: its worker sets this to ask
+#: the launcher (a Spark run's tasks write their shares while the ranks start).
+_min_rows_source: Callable[[], int] | None = None
+
+
+def set_min_rows_source(source: Callable[[], int] | None) -> None:
+    """Have ``RankShare.current`` ask ``source`` for the smallest share when the
+    environment does not say (``source`` may block until the shares are written, and
+    raises ``DataError`` when one is empty)."""
+    global _min_rows_source
+    _min_rows_source = source
+
+
+def _min_rows() -> int:
+    rows = _env.get_int(_env.SHARE_MIN_ROWS, 0) or 0
+    if rows or _min_rows_source is None:
+        return rows
+    return _min_rows_source()
+
+
 def write_share(batches: Iterator[Any], path: str) -> int:
     """Stream a Spark task's Arrow record batches into the share file ``path``.
 
-    Runs in the rank's Spark task, before the rank starts: one record batch in memory at a
-    time (Spark's ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows). Returns the rows.
+    Runs in the rank's Spark task (a thread of it) while the rank starts: one record batch
+    in memory at a time (Spark's ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows).
+    Returns the rows.
     """
     import pyarrow as pa
 

@@ -46,8 +46,6 @@ class RankInfo(RankPlace):
             order), and their number: torchrun's ``GROUP_RANK`` and ``GROUP_WORLD_SIZE``.
         master_addr, master_port: Rank 0's address as the others reach it and a port found
             free on its host (``torch_world``); empty and 0 until every task registered.
-        share_min_rows: With ``run(fn, df=...)``, the smallest rank's share of the
-            DataFrame (each rank's batches per epoch follow from it); 0 without.
     """
 
     partition: int
@@ -58,7 +56,6 @@ class RankInfo(RankPlace):
     num_nodes: int = 1
     master_addr: str = ""
     master_port: int = 0
-    share_min_rows: int = 0
 
 
 def assign_ranks(slots: Sequence[TaskSlot]) -> dict[int, RankInfo]:

@@ -6,6 +6,7 @@ store, runs it, and reports the pickled result or the failure back.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -19,7 +20,7 @@ from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
 from hvd_spark.config import DEFAULT_START_TIMEOUT_S
-from hvd_spark.errors import ConfigError, RendezvousTimeoutError
+from hvd_spark.errors import ConfigError, DataError, RendezvousTimeoutError
 from hvd_spark.runner import tied_child
 from hvd_spark.runner.failures import WorkerFailure
 
@@ -96,6 +97,11 @@ def main() -> int:
     secret = _require_hex(_env.SECRET)
     addr = wire.parse_addr(_env.require_str(_env.RENDEZVOUS_ADDR), _env.RENDEZVOUS_ADDR)
     timeout = _env.get_float(_env.START_TIMEOUT, DEFAULT_START_TIMEOUT_S)
+    if _env.get_str(_env.SHARE_PATH) and not _env.get_str(_env.SHARE_MIN_ROWS):
+        from hvd_spark.data import rank_share
+
+        rank_share.set_min_rows_source(functools.cache(
+            functools.partial(_launcher_min_rows, addr, secret, timeout)))
     store = StoreClient(addr, secret, timeout)
     try:
         try:
@@ -135,6 +141,24 @@ def _beat_from_start(rank: int, addr: tuple[str, int], secret: bytes) -> None:
     from hvd_spark.collectives import bootstrap
 
     bootstrap.start_heartbeat(addr, secret, str(rank))
+
+
+def _launcher_min_rows(addr: tuple[str, int], secret: bytes, timeout: float) -> int:
+    """The smallest share of any rank: the driver publishes it once every Spark task has
+    written its rank's share (they write while the ranks start).
+
+    Raises:
+        DataError: Some rank's share is empty (the message names it and what to do).
+        RendezvousTimeoutError: The shares were not all written within ``timeout`` s.
+    """
+    store = StoreClient(addr, secret, timeout)
+    try:
+        status, value = store.get(_env.SHARE_MIN_ROWS_KEY, timeout)
+    finally:
+        store.close()
+    if status != "ok":
+        raise DataError(value)
+    return int(value)
 
 
 def _report(store: StoreClient, rank: int, status: str, payload: object) -> None:

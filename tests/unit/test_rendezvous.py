@@ -10,10 +10,10 @@ import pytest
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
-from hvd_spark.errors import ConfigError
+from hvd_spark.errors import ConfigError, DataError
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.rendezvous import TaskSlot, assign_ranks
-from hvd_spark.runner.spark.driver_service import REGISTER, DriverService
+from hvd_spark.runner.spark.driver_service import REGISTER, SHARE_ROWS, DriverService
 from hvd_spark.runner.spark.spark_task import TaskSpec, child_env
 
 
@@ -101,3 +101,53 @@ def test_driver_service_assigns_ranks_once_everyone_registered():
         assert {p: i.rank for p, i in replies.items()} == {0: 0, 1: 1, 2: 2}
         assert service.hosts == {0: "a", 1: "b", 2: "b"}
         assert service.all_registered_at is not None
+
+
+def _share_rows_reader(service: DriverService, secret: bytes) -> tuple[threading.Thread, dict]:
+    """A rank asking the driver for the smallest share, as its worker does (it blocks)."""
+    from hvd_spark.runner.worker import _launcher_min_rows
+
+    got: dict = {}
+
+    def ask() -> None:
+        try:
+            got["rows"] = _launcher_min_rows(wire.parse_addr(service.addr), secret, 10.0)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            got["error"] = exc
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread, got
+
+
+def test_ranks_learn_the_smallest_share_once_every_task_wrote_its_own():
+    secret = b"s" * 32
+    output = OutputForwarder(io.StringIO(), io.StringIO())
+    with DriverService(2, secret, "127.0.0.1", "127.0.0.1", output) as service:
+        thread, got = _share_rows_reader(service, secret)
+        client = StoreClient(wire.parse_addr(service.addr), secret, 5.0)
+        try:
+            client.call(SHARE_ROWS, 1, 700, timeout=5.0)
+            thread.join(0.5)
+            assert thread.is_alive() and not got  # one share is still being written
+            client.call(SHARE_ROWS, 0, 650, timeout=5.0)
+        finally:
+            client.close()
+        thread.join(10)
+        assert got == {"rows": 650}
+
+
+def test_an_empty_share_fails_the_ranks_reading_with_its_partition_named():
+    secret = b"s" * 32
+    output = OutputForwarder(io.StringIO(), io.StringIO())
+    with DriverService(2, secret, "127.0.0.1", "127.0.0.1", output) as service:
+        thread, got = _share_rows_reader(service, secret)
+        client = StoreClient(wire.parse_addr(service.addr), secret, 5.0)
+        try:
+            client.call(SHARE_ROWS, 0, 5, timeout=5.0)
+            client.call(SHARE_ROWS, 1, 0, timeout=5.0)
+        finally:
+            client.close()
+        thread.join(10)
+        assert isinstance(got.get("error"), DataError)
+        assert "partitions [1] are empty" in str(got["error"])

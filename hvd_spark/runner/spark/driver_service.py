@@ -8,7 +8,6 @@ one queue the launcher consumes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -16,8 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hvd_spark import _env
 from hvd_spark.collectives.tcp.store import StoreServer
-from hvd_spark.errors import DataError, HvdSparkError, RendezvousTimeoutError
+from hvd_spark.errors import HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import worker
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.gpu_mapping import place_gpus
@@ -30,6 +30,7 @@ REGISTER = "register"
 LOG = "log"
 EXIT = "exit"
 TASK_ERROR = "task_error"
+SHARE_ROWS = "share_rows"
 STOP_KEY = "stop"
 
 log = logging.getLogger("hvd_spark.runner")
@@ -68,7 +69,6 @@ class DriverService:
         self._gpus: dict[int, tuple[str, ...]] = {}
         self._endpoints: dict[int, tuple[str, int] | None] = {}
         self._share_rows: dict[int, int] = {}
-        self._share_error: str | None = None
         self._assignment: dict[int, RankInfo] | None = None
         self._stopped = False
         self.server = StoreServer(secret, bind_host, {
@@ -78,6 +78,7 @@ class DriverService:
             worker.REPORT: self._on_report,
             EXIT: self._on_exit,
             TASK_ERROR: self._on_task_error,
+            SHARE_ROWS: self._on_share_rows,
             BEAT: self._on_beat,
         })
         self._heartbeats: HeartbeatMonitor | None = None
@@ -107,13 +108,11 @@ class DriverService:
 
     def _on_register(self, partition: int, host: str, timeout: float,
                      gpus: tuple[str, ...] = (),
-                     endpoint: tuple[str, int] | None = None,
-                     share_rows: int | None = None) -> RankInfo:
+                     endpoint: tuple[str, int] | None = None) -> RankInfo:
         # Blocks the task until every task has registered, then returns its rank and, with
         # ``gpus`` (its Spark GPU addresses), its host's GPU order (gpu_mapping). Each task
         # brings ``endpoint``, its address and a port free on its host: rank 0's becomes
-        # every rank's torch.distributed master (torch_world). With run(fn, df=...), each
-        # brings how many rows its share has: an empty share fails every task at once.
+        # every rank's torch.distributed master (torch_world).
         with self._cond:
             if self._stopped:
                 raise HvdSparkError("this run was already stopped; the task is not needed")
@@ -124,23 +123,11 @@ class DriverService:
             self._slots[partition] = TaskSlot(partition, host)
             self._gpus[partition] = tuple(gpus)
             self._endpoints[partition] = endpoint
-            if share_rows is not None:
-                self._share_rows[partition] = share_rows
             now = time.time()
             self.first_registered_at = self.first_registered_at or now
             if len(self._slots) == self.num_proc:
                 self._assignment = with_master(place_gpus(
                     assign_ranks(list(self._slots.values())), self._gpus), self._endpoints)
-                if self._share_rows:
-                    least = min(self._share_rows.values())
-                    if least == 0:
-                        # Imported here: tasks import this module, and the data layer's
-                        # writer (pyspark, pandas) would cost each of them ~0.25 s.
-                        from hvd_spark.data.shares import empty_share_message
-
-                        self._share_error = empty_share_message(self._share_rows, self.num_proc)
-                    self._assignment = {p: dataclasses.replace(i, share_min_rows=least)
-                                        for p, i in self._assignment.items()}
                 self.all_registered_at = now
                 log.info("hvd_spark.run: ranks assigned: %s", ", ".join(
                     f"{i.rank} on {i.host} (local {i.local_rank}"
@@ -157,9 +144,27 @@ class DriverService:
                 self._cond.wait(left)
             if self._assignment is None:
                 raise HvdSparkError("this run was stopped before every task registered")
-            if self._share_error is not None:
-                raise DataError(self._share_error)
             return self._assignment[partition]
+
+    def _on_share_rows(self, partition: int, rows: int) -> None:
+        # run(fn, df=...): a task wrote its share while its rank started. Once every task
+        # has, the smallest share (each rank's batches per epoch), or why no rank can
+        # train, goes to the ranks, which wait for it before they read (RankShare).
+        with self._cond:
+            self._share_rows[partition] = rows
+            if len(self._share_rows) < self.num_proc:
+                return
+            rows_by = dict(self._share_rows)
+        least = min(rows_by.values())
+        if least > 0:
+            self.server.set(_env.SHARE_MIN_ROWS_KEY, ("ok", least))
+            return
+        # Imported here: tasks import this module, and the data layer's writer (pyspark,
+        # pandas) would cost each of them ~0.25 s.
+        from hvd_spark.data.shares import empty_share_message
+
+        self.server.set(_env.SHARE_MIN_ROWS_KEY,
+                        ("error", empty_share_message(rows_by, self.num_proc)))
 
     def _on_log(self, rank: int, lines: list[tuple[str, str]]) -> None:
         for stream, line in lines:

@@ -27,7 +27,7 @@ from hvd_spark.errors import ConfigError, HvdSparkError, RendezvousTimeoutError
 from hvd_spark.runner import torch_world
 from hvd_spark.runner.failures import WorkerFailure
 from hvd_spark.runner.rendezvous import RankInfo
-from hvd_spark.runner.spark.driver_service import EXIT, REGISTER, TASK_ERROR
+from hvd_spark.runner.spark.driver_service import EXIT, REGISTER, SHARE_ROWS, TASK_ERROR
 from hvd_spark.runner.spark.task_process import (
     DRAIN_S,
     LogSender,
@@ -167,23 +167,18 @@ def run_task(spec: TaskSpec, partition: int, task_gpus: list[str],
     ``task_gpus``: the GPU addresses Spark gave this task, sent to the driver at
     registration (which answers with the host's GPU order) and passed to the rank.
     ``rows``: the task's Arrow batches of the job's DataFrame (``run(fn, df=...)``), written
-    to this executor's local disk for the rank and removed when the rank has ended.
+    to this executor's local disk for the rank (while the rank starts: see ``ShareWrite``)
+    and removed when the rank has ended.
     """
     host = task_host()
-    # The rank's interpreter starts and imports while the task writes its share and
-    # registers (the rank's variables follow on its stdin): the longest steps of a start.
+    # The rank's interpreter starts and imports while the task registers (the rank's
+    # variables follow on its stdin): the longest steps of a start.
     started_with = early_env(dict(os.environ), spec)
     proc = start_worker(started_with, rank_env_later=True)
-    share: tuple[str, int] | None = None
+    share: ShareWrite | None = None
     try:
         if rows is not None:
-            # Only here: the data layer's import (pyarrow.dataset, pandas) costs a task
-            # ~0.3 s, which a run without a DataFrame must not pay.
-            from hvd_spark.data.rank_share import share_directory, write_share
-
-            path = os.path.join(share_directory(), f"hvd_spark-{spec.run_id}-{partition}.arrow")
-            share = (path, 0)
-            share = (path, write_share(rows, path))
+            share = ShareWrite(rows, spec.run_id, partition)
         client = connect_to_driver(spec.driver_addr, spec.secret, spec.start_timeout_s, host)
         try:
             return _serve_rank(client, proc, started_with, spec, partition, host, task_gpus,
@@ -193,8 +188,61 @@ def run_task(spec: TaskSpec, partition: int, task_gpus: list[str],
     finally:
         reap_worker(proc, spec.secret)
         if share is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(share[0])
+            share.remove()
+
+
+class ShareWrite:
+    """A task's share of the DataFrame, written to local disk by a thread of its own.
+
+    The rank starts (imports its framework, joins the ring, builds its model) while its
+    rows arrive: it reads them only once every task has written its share and told the
+    driver how many rows it has (``_env.SHARE_MIN_ROWS_KEY``).
+
+    Args:
+        rows: The task's Arrow record batches (read by the thread alone from now on).
+        run_id: The run's id, part of the file's name.
+        partition: The task's partition.
+    """
+
+    def __init__(self, rows: Iterator[Any], run_id: str, partition: int) -> None:
+        # Only here: the data layer's import (pyarrow.dataset, pandas) costs a task
+        # ~0.3 s, which a run without a DataFrame must not pay.
+        from hvd_spark.data.rank_share import share_directory
+
+        self.path = os.path.join(share_directory(), f"hvd_spark-{run_id}-{partition}.arrow")
+        self._rows: int | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._write, args=(rows,), daemon=True,
+                                        name=f"hvd-share-{partition}")
+        self._thread.start()
+
+    def _write(self, rows: Iterator[Any]) -> None:
+        from hvd_spark.data.rank_share import write_share
+
+        try:
+            self._rows = write_share(rows, self.path)
+        except BaseException as exc:  # noqa: BLE001 - raised in the task by wait()
+            self._error = exc
+
+    def wait(self) -> int:
+        """Wait until the share is on disk; its rows.
+
+        Raises:
+            BaseException: What writing it raised (a full disk, a failed upstream task).
+        """
+        # No deadline of its own: the thread ends with the task's input, which Spark
+        # bounds (a lost upstream task fails the stage, and with it this read).
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._rows is not None
+        return self._rows
+
+    def remove(self) -> None:
+        """Delete the file, once the thread is done with it (the task ends only after)."""
+        self._thread.join()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
 
 
 def run_task_ranks(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
@@ -229,7 +277,7 @@ def run_task_ranks(spec: TaskSpec, partition: int, task_gpus: list[str]) -> int:
 
 def _serve_rank(client: StoreClient, proc: subprocess.Popen, started_with: dict[str, str],
                 spec: TaskSpec, partition: int, host: str, task_gpus: list[str],
-                share: tuple[str, int] | None) -> int:
+                share: ShareWrite | None) -> int:
     """Register, hand the worker its rank, relay its output until it ends; its exit code."""
     try:
         # This host's address as the other ranks reach it, and a port free here: the
@@ -237,17 +285,14 @@ def _serve_rank(client: StoreClient, proc: subprocess.Popen, started_with: dict[
         endpoint = (advertise_addr() or client.local_address, torch_world.free_port())
         info: RankInfo = client.call(REGISTER, partition, host, spec.start_timeout_s,
                                      tuple(task_gpus), endpoint,
-                                     None if share is None else share[1],
                                      timeout=spec.start_timeout_s)
         env = child_env(dict(os.environ), spec, info, rank_gpus(spec, info), task_gpus)
         if share is not None:
-            env.update({_env.SHARE_PATH: share[0],
-                        _env.SHARE_MIN_ROWS: str(info.share_min_rows)})
+            # No SHARE_MIN_ROWS: the rank asks the driver, once every share is written.
+            env[_env.SHARE_PATH] = share.path
         send_rank_env(proc, started_with, env)
     except Exception as exc:  # noqa: BLE001 - reported to the driver, then re-raised
-        with contextlib.suppress(Exception):
-            client.call(TASK_ERROR, partition, WorkerFailure.from_exception(
-                partition, host, exc), timeout=wire.HANDSHAKE_TIMEOUT_S)
+        _report_task_error(client, partition, host, exc)
         raise
     sender = LogSender(client, info.rank)
     sender.follow(proc.stdout, proc.stderr)
@@ -255,12 +300,26 @@ def _serve_rank(client: StoreClient, proc: subprocess.Popen, started_with: dict[
     threading.Thread(target=watch_stop, args=(
         spec.driver_addr, spec.secret, spec.start_timeout_s, proc, stopped),
         daemon=True).start()
+    if share is not None:
+        try:
+            client.call(SHARE_ROWS, partition, share.wait(), timeout=wire.HANDSHAKE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, then re-raised
+            _report_task_error(client, partition, host, exc)
+            raise
     returncode = proc.wait()  # bounded by the driver's stop and the ranks' timeouts
     sender.close(DRAIN_S)
     with contextlib.suppress(HvdSparkError, OSError):
         client.call(EXIT, info.rank, returncode, stopped.is_set(),
                     timeout=wire.HANDSHAKE_TIMEOUT_S)
     return returncode
+
+
+def _report_task_error(client: StoreClient, partition: int, host: str,
+                       exc: BaseException) -> None:
+    """Tell the driver why this task cannot serve its rank (it then stops the run)."""
+    with contextlib.suppress(Exception):
+        client.call(TASK_ERROR, partition, WorkerFailure.from_exception(partition, host, exc),
+                    timeout=wire.HANDSHAKE_TIMEOUT_S)
 
 
 def arrow_task(spec: TaskSpec, batches: Iterator[Any]) -> Iterator[Any]:
