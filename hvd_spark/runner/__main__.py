@@ -1,4 +1,5 @@
-"""``hvdrun -np N [--timeout S] [--mpi] python script.py args...``: N local ranks, no Spark."""
+"""``hvdrun -np N [--timeout S] [--start-timeout S] [--mpi] python script.py args...``: N
+local ranks, no Spark."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="seconds ranks may wait for each other, at start-up and in any collective",
     )
     parser.add_argument(
+        "--start-timeout", type=float, default=None,
+        help="seconds the ranks have to start and connect, as horovodrun's --start-timeout "
+             "(default: --timeout, else 600)",
+    )
+    parser.add_argument(
         "--mpi", action="store_true", default=_env.get_str(_env.HVDRUN_LAUNCHER) == "mpi",
         help="start the ranks with mpirun; collectives then run over MPI (mpi4py), as "
              f"horovodrun --mpi (default when {_env.HVDRUN_LAUNCHER}=mpi)")
@@ -64,7 +70,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     try:
         args.config = run_config(args)
     except ConfigError as exc:
-        parser.error(re.sub(r"\b(start_)?timeout must", "--timeout must", str(exc)))
+        start_flag = "--start-timeout" if args.start_timeout is not None else "--timeout"
+        parser.error(re.sub(r"\bstart_timeout must", f"{start_flag} must",
+                            re.sub(r"\btimeout must", "--timeout must", str(exc))))
     args.elastic = any(v is not None for v in (
         args.min_np, args.max_np, args.elastic_timeout, args.reset_limit, args.cooldown))
     if args.elastic and args.mpi:
@@ -85,19 +93,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     """hvdrun's options as a ``RunConfig`` (built by ``RunConfig.from_kwargs``, as every
-    launcher's): ``--timeout`` bounds the start and every collective (the ranks read it
-    from their environment), ``--network-interface`` names the ranks' interface.
+    launcher's): ``--timeout`` bounds every collective and, unless ``--start-timeout`` says
+    otherwise, the start (the ranks read both from their environment);
+    ``--network-interface`` names the ranks' interface.
 
     Raises:
         ConfigError: A timeout that is not positive seconds.
     """
+    start = args.start_timeout if args.start_timeout is not None else args.timeout
     env = {}
     if args.timeout is not None:
-        env[_env.TIMEOUT] = env[_env.START_TIMEOUT] = str(args.timeout)
+        env[_env.TIMEOUT] = str(args.timeout)
+    if start is not None:
+        env[_env.START_TIMEOUT] = str(start)
     if args.nics:
         env[_env.IFACE] = ",".join(args.nics)
     config = RunConfig.from_kwargs(where="hvdrun", num_proc=args.num_proc, env=env,
-                                   start_timeout=args.timeout)
+                                   start_timeout=start)
     return dataclasses.replace(config, timeouts=dataclasses.replace(
         config.timeouts, collective_timeout_s=args.timeout))
 

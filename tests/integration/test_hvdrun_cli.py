@@ -81,6 +81,20 @@ def test_uncaught_exception_exits_1(tmp_path):
     assert "[0] bad input" in proc.stderr
 
 
+def test_start_timeout_and_timeout_reach_the_ranks_apart(tmp_path):
+    # horovodrun's --start-timeout: the start's deadline, apart from the collectives'.
+    script = tmp_path / "timeouts.py"
+    script.write_text("import os\n"
+                      "env = os.environ\n"
+                      "print(env['HVD_SPARK_START_TIMEOUT'], env['HVD_SPARK_TIMEOUT'])\n")
+    proc = _hvdrun("-np", "2", "--timeout", "30", "--start-timeout", "90", sys.executable,
+                   str(script))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[0] 90.0 30.0", "[1] 90.0 30.0"]
+    bad = _hvdrun("-np", "2", "--start-timeout", "0", sys.executable, str(script))
+    assert bad.returncode == 2 and "--start-timeout must be positive seconds" in bad.stderr
+
+
 def test_bench_help_exits_0():
     proc = subprocess.run([sys.executable, "-m", "hvd_spark.bench", "--help"],
                           capture_output=True, text=True, timeout=60)
