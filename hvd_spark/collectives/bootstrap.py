@@ -35,11 +35,15 @@ from hvd_spark.errors import (
     AuthenticationError,
     ConfigError,
     HorovodInternalError,
+    HvdSparkError,
     PeerDisconnectedError,
     RendezvousTimeoutError,
 )
 
 log = logging.getLogger(__name__)
+
+#: How a ring's forming fails when a member is missing: the next generation may do better.
+_RING_FAILURES = (RendezvousTimeoutError, HorovodInternalError, AuthenticationError)
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
@@ -108,6 +112,9 @@ def _join_next_ring(config: EngineConfig, factory: registry.Factory
     member = membership.membership()
     start_heartbeat(member.addr, member.secret, member.worker)
     while True:
+        # A first ring that fails without the launcher giving it up (a wrong interface,
+        # a blocked port) fails init() as in a fixed-size job: every generation would.
+        first = member.generation == 0
         world = member.join()  # blocks until the launcher forms the next generation
         # torch.distributed code re-creates its process group after each reset from
         # the generation's torchrun variables (rank, size, master).
@@ -119,10 +126,11 @@ def _join_next_ring(config: EngineConfig, factory: registry.Factory
             STATE.heartbeat.set_generation(epoch)
         try:
             engine, hosts = _start_engine(world, _spin_for(config, world), factory, epoch)
-        except (RendezvousTimeoutError, HorovodInternalError, AuthenticationError,
-                OSError) as exc:
+        except _RING_FAILURES as exc:
+            if first and _broken_reason(epoch) is None:
+                raise
             log.warning("the ring of generation %d did not form (%s); joining the next one",
-                        epoch, _broken_reason(epoch) or exc)
+                        epoch, exc)
             continue
         with STATE.abort_lock:
             broken = _broken_reason(epoch)
@@ -174,6 +182,12 @@ def _start_engine(world: WorldInfo, config: EngineConfig, factory: registry.Fact
             world.advertise_addr, start_timeout, epoch, local_sockets=config.use_shm,
             connect_timeout=connect_timeout,
         )
+    except (HvdSparkError, OSError) as exc:
+        reason = _broken_reason(STATE.generation)
+        if reason is None:
+            raise
+        # Cut short by the launcher's word (``_abort``): that is the cause to name.
+        raise PeerDisconnectedError(reason) from exc
     finally:
         with STATE.abort_lock:
             STATE.forming = None
@@ -225,6 +239,8 @@ def shutdown() -> None:
     with STATE.lock:
         engine, STATE.engine, STATE.world = STATE.engine, None, None
         clear_registry()
+    with STATE.abort_lock:
+        STATE.broken = None  # the word was for the ring just left
     if engine is not None:
         engine.shutdown()
 
