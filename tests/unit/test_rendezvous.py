@@ -10,7 +10,7 @@ import pytest
 from hvd_spark import _env
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.collectives.tcp.store import StoreClient
-from hvd_spark.errors import ConfigError, DataError
+from hvd_spark.errors import ConfigError, DataError, RendezvousTimeoutError
 from hvd_spark.runner.output import OutputForwarder
 from hvd_spark.runner.rendezvous import TaskSlot, assign_ranks
 from hvd_spark.runner.spark.driver_service import REGISTER, SHARE_ROWS, DriverService
@@ -103,7 +103,8 @@ def test_driver_service_assigns_ranks_once_everyone_registered():
         assert service.all_registered_at is not None
 
 
-def _share_rows_reader(service: DriverService, secret: bytes) -> tuple[threading.Thread, dict]:
+def _share_rows_reader(service: DriverService, secret: bytes,
+                       timeout: float = 10.0) -> tuple[threading.Thread, dict]:
     """A rank asking the driver for the smallest share, as its worker does (it blocks)."""
     from hvd_spark.runner.worker import _launcher_min_rows
 
@@ -111,7 +112,7 @@ def _share_rows_reader(service: DriverService, secret: bytes) -> tuple[threading
 
     def ask() -> None:
         try:
-            got["rows"] = _launcher_min_rows(wire.parse_addr(service.addr), secret, 10.0)
+            got["rows"] = _launcher_min_rows(wire.parse_addr(service.addr), secret, timeout)
         except Exception as exc:  # noqa: BLE001 - the test looks at it
             got["error"] = exc
 
@@ -120,19 +121,24 @@ def _share_rows_reader(service: DriverService, secret: bytes) -> tuple[threading
     return thread, got
 
 
+def _report_share(service: DriverService, secret: bytes, partition: int, rows: int) -> None:
+    """A task telling the driver its share is on disk, as ``spark_task`` does."""
+    client = StoreClient(wire.parse_addr(service.addr), secret, 5.0)
+    try:
+        client.call(SHARE_ROWS, partition, rows, timeout=5.0)
+    finally:
+        client.close()
+
+
 def test_ranks_learn_the_smallest_share_once_every_task_wrote_its_own():
     secret = b"s" * 32
     output = OutputForwarder(io.StringIO(), io.StringIO())
     with DriverService(2, secret, "127.0.0.1", "127.0.0.1", output) as service:
         thread, got = _share_rows_reader(service, secret)
-        client = StoreClient(wire.parse_addr(service.addr), secret, 5.0)
-        try:
-            client.call(SHARE_ROWS, 1, 700, timeout=5.0)
-            thread.join(0.5)
-            assert thread.is_alive() and not got  # one share is still being written
-            client.call(SHARE_ROWS, 0, 650, timeout=5.0)
-        finally:
-            client.close()
+        _report_share(service, secret, 1, 700)
+        thread.join(0.5)
+        assert thread.is_alive() and not got  # one share is still being written
+        _report_share(service, secret, 0, 650)
         thread.join(10)
         assert got == {"rows": 650}
 
@@ -142,12 +148,20 @@ def test_an_empty_share_fails_the_ranks_reading_with_its_partition_named():
     output = OutputForwarder(io.StringIO(), io.StringIO())
     with DriverService(2, secret, "127.0.0.1", "127.0.0.1", output) as service:
         thread, got = _share_rows_reader(service, secret)
-        client = StoreClient(wire.parse_addr(service.addr), secret, 5.0)
-        try:
-            client.call(SHARE_ROWS, 0, 5, timeout=5.0)
-            client.call(SHARE_ROWS, 1, 0, timeout=5.0)
-        finally:
-            client.close()
+        _report_share(service, secret, 0, 5)
+        _report_share(service, secret, 1, 0)
         thread.join(10)
         assert isinstance(got.get("error"), DataError)
         assert "partitions [1] are empty" in str(got["error"])
+
+
+def test_shares_not_written_within_the_start_timeout_are_named_as_such():
+    secret = b"s" * 32
+    output = OutputForwarder(io.StringIO(), io.StringIO())
+    with DriverService(2, secret, "127.0.0.1", "127.0.0.1", output) as service:
+        thread, got = _share_rows_reader(service, secret, timeout=0.5)
+        _report_share(service, secret, 0, 5)  # the other task is still writing
+        thread.join(10)
+        assert isinstance(got.get("error"), RendezvousTimeoutError)
+        assert "did not finish writing the ranks' shares" in str(got["error"])
+        assert "HVD_SPARK_START_TIMEOUT" in str(got["error"])
