@@ -154,6 +154,12 @@ def _launcher_min_rows(addr: tuple[str, int], secret: bytes, timeout: float) -> 
     store = StoreClient(addr, secret, timeout)
     try:
         status, value = store.get(_env.SHARE_MIN_ROWS_KEY, timeout)
+    except RendezvousTimeoutError:
+        raise RendezvousTimeoutError(
+            f"the Spark tasks did not finish writing the ranks' shares of the DataFrame "
+            f"within the start timeout of {timeout:g} s: raise start_timeout "
+            f"({_env.START_TIMEOUT}) for a DataFrame this large, or see the tasks' errors"
+        ) from None
     finally:
         store.close()
     if status != "ok":
