@@ -40,6 +40,9 @@ DEFAULT_SPIN_US = 1000.0
 # buffers of it for sending. Each rank reduces the whole tensor, where the ring reduces
 # half: at 8 MB the lane still won here, at 16 MB the ring did (alternating runs).
 DEFAULT_EXPRESS_LANE_BYTES = 4 * 1024 * 1024
+# All ranks on one host: an allreduce's piece in the host arena (collectives.tcp.arena).
+# 1 MB beat 4 MB from 4 MB up with 2-4 ranks (it stays in cache); 512 KB did no better.
+DEFAULT_ARENA_BYTES = 1024 * 1024
 DEFAULT_STALL_WARNING_S = 60.0
 TIMELINE_DYNAMIC = "DYNAMIC"  # HOROVOD_TIMELINE's value for "no file yet: start_timeline() later"
 # Horovod's autotuning defaults (samples per candidate is its fixed SAMPLES).
@@ -209,6 +212,9 @@ class EngineConfig:
         express_lane_bytes: With two ranks on one host, a synchronous CPU allreduce up to
             this many bytes crosses through shared memory with its request and both ranks
             reduce it at once, no ring (0: off; see ``collectives.tcp.express_lane``).
+        arena_bytes: With 3+ ranks all on one host, CPU allreduces go through shared memory
+            all ranks map, in pieces of this many bytes, instead of the ring (0: off; see
+            ``collectives.tcp.arena``).
     """
 
     timeout: float = DEFAULT_TIMEOUT_S
@@ -226,6 +232,7 @@ class EngineConfig:
     autotune: AutotuneConfig | None = None
     spin_us: float | None = None
     express_lane_bytes: int = DEFAULT_EXPRESS_LANE_BYTES
+    arena_bytes: int = DEFAULT_ARENA_BYTES
 
     def spin_seconds(self, local_ranks: int) -> float:
         """How long a waiting caller polls before blocking, with ``local_ranks`` ranks on
@@ -275,6 +282,9 @@ class EngineConfig:
         if self.express_lane_bytes < 0:
             raise ConfigError(f"{_env.EXPRESS_LANE_BYTES} must be >= 0 bytes (0: off), "
                               f"got {self.express_lane_bytes}")
+        if self.arena_bytes != 0 and self.arena_bytes < 4096:
+            raise ConfigError(f"{_env.ARENA_BYTES} must be at least 4096 bytes (0: off), "
+                              f"got {self.arena_bytes}")
         if self.chunk_bytes < 4096:
             raise ConfigError(f"{_env.CHUNK_BYTES} must be at least 4096, got {self.chunk_bytes}")
         if not self.stall_warning > 0:
@@ -314,6 +324,7 @@ class EngineConfig:
             spin_us=_env.get_float(_env.SPIN_US, None),
             express_lane_bytes=_env.get_int(_env.EXPRESS_LANE_BYTES,
                                             DEFAULT_EXPRESS_LANE_BYTES),
+            arena_bytes=_env.get_int(_env.ARENA_BYTES, DEFAULT_ARENA_BYTES),
         )
 
 

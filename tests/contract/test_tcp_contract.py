@@ -18,7 +18,8 @@ SECRET = b"contract-secret-0123456789abcdef"
 
 
 def make_tcp(size: int, use_shm: bool, chunk_bytes: int = 64 * 1024,
-             spin_s: float = 0.0, express_lane_bytes: int = 0) -> list[TcpCommunicator]:
+             spin_s: float = 0.0, express_lane_bytes: int = 0,
+             arena_bytes: int = 0) -> list[TcpCommunicator]:
     """Form a real mesh of ``size`` ranks over loopback, one thread per rank (ranks on
     one host connect through Unix sockets with shared memory on, TCP without, as in jobs)."""
     server = StoreServer(SECRET)
@@ -32,7 +33,8 @@ def make_tcp(size: int, use_shm: bool, chunk_bytes: int = 64 * 1024,
         for sock in mesh.control.values():
             sock.close()  # the contract exercises data paths only
         comms[rank] = TcpCommunicator(rank, size, mesh.data, chunk_bytes, use_shm,
-                                      spin_s=spin_s, express_lane_bytes=express_lane_bytes)
+                                      spin_s=spin_s, express_lane_bytes=express_lane_bytes,
+                                      arena_bytes=arena_bytes)
 
     threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
     for t in threads:
@@ -97,6 +99,40 @@ class TestTcpTwoRanks(CommunicatorContract):
         comms = make_tcp(size, use_shm=True, express_lane_bytes=1 << 20)
         assert all((c.express_lane is not None) == lane_supported() for c in comms)
         return comms
+
+
+class TestTcpArena(CommunicatorContract):
+    """Three ranks on one host: allreduces go through the host arena, in pieces of 64 KB
+    (so the larger cases take several pieces, through both areas); the other collectives
+    ride the ring."""
+
+    def make(self, size):
+        comms = make_tcp(size, use_shm=True, arena_bytes=64 * 1024)
+        assert all((c.arena is not None) == lane_supported() for c in comms)
+        return comms
+
+
+class TestTcpArenaFourRanks(TestTcpArena):
+    """Four ranks: ranks 0 and 2 share no ring link, only the arena; pieces of an odd size
+    (no multiple of any dtype's)."""
+
+    size = 4
+
+    def make(self, size):
+        comms = make_tcp(size, use_shm=True, arena_bytes=100_003)
+        assert all((c.arena is not None) == lane_supported() for c in comms)
+        return comms
+
+
+def test_two_ranks_keep_the_ring():
+    """The arena is for three ranks and more: two ranks keep the ring (and the lane)."""
+    comms = make_tcp(2, use_shm=True, express_lane_bytes=1 << 20, arena_bytes=64 * 1024)
+    try:
+        assert all(c.arena is None for c in comms)
+        assert all((c.express_lane is not None) == lane_supported() for c in comms)
+    finally:
+        for c in comms:
+            c.close()
 
 
 def test_single_rank_is_a_noop():

@@ -12,6 +12,7 @@ from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.tcp import ring
+from hvd_spark.collectives.tcp.arena import HostArena, negotiate_arena
 from hvd_spark.collectives.tcp.express_lane import ExpressLane, lane_supported, negotiate_lane
 from hvd_spark.collectives.tcp.links import Link, TcpLink
 from hvd_spark.collectives.tcp.shm import negotiate_shm
@@ -43,6 +44,8 @@ class TcpCommunicator(Communicator):
             (``EngineConfig.spin_seconds``).
         express_lane_bytes: With two ranks sharing memory, also set up the express lane
             with buffers of this size (0: none; see ``express_lane``).
+        arena_bytes: With 3+ ranks, all on this host, also map the host arena with pieces of
+            this size (0: none; see ``arena``); allreduces then go through it.
     """
 
     name = "tcp"
@@ -61,6 +64,7 @@ class TcpCommunicator(Communicator):
         slot_bytes: int | None = None,
         spin_s: float = 0.0,
         express_lane_bytes: int = 0,
+        arena_bytes: int = 0,
     ) -> None:
         self.rank, self.size = rank, size
         self._owns_links = True  # a process set's view shares them (see subset)
@@ -87,6 +91,14 @@ class TcpCommunicator(Communicator):
             peer = self.shm_peers[0]
             self.express_lane = negotiate_lane(data_socks[peer], peer, express_lane_bytes,
                                                tag=shm_tag)
+        #: Three or more ranks, all on this host: the arena allreduces go through, or None.
+        #: (Two ranks keep the ring: two steps, which wait in the kernel, against two
+        #: meetings that nap; the arena lost to it at 16-64 MB with 2 ranks here.)
+        self.arena: HostArena | None = None
+        if size > 2:
+            # Every rank negotiates, whatever its settings, and all get the same answer.
+            self.arena = negotiate_arena(rank, size, data_socks, arena_bytes, shm_tag, spin_s,
+                                         offer=use_shm and lane_supported())
         # With one rank there are no neighbours; every algorithm returns before using them.
         self.left = self.links.get(self.left_rank)
         self.right = self.links.get(self.right_rank)
@@ -105,6 +117,7 @@ class TcpCommunicator(Communicator):
         sub.right = sub.links.get(sub.right_rank)
         sub._owns_links = False
         sub.express_lane = None  # the world's engine's alone
+        sub.arena = None  # its pieces are counted by the world's allreduces
         return sub
 
     @property
@@ -130,6 +143,9 @@ class TcpCommunicator(Communicator):
     def allreduce(self, buf: SegmentedBuffer, op: ops.ReduceOp,
                   source: SegmentedBuffer | None = None,
                   finish: Callable[[list[np.ndarray]], None] | None = None) -> None:
+        if self.arena is not None:
+            self.arena.allreduce(buf, op, source, finish)
+            return
         ring.allreduce(buf, op, self.rank, self.size, self.left, self.right, self.chunk_bytes,
                        source, finish)
 
@@ -180,3 +196,5 @@ class TcpCommunicator(Communicator):
                 pass
         if self.express_lane is not None:
             self.express_lane.close()
+        if self.arena is not None:
+            self.arena.close()

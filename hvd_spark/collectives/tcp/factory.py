@@ -23,7 +23,8 @@ def create(world: WorldInfo, config: EngineConfig,
     flat = TcpCommunicator(world.rank, world.size, data_socks, config.chunk_bytes, config.use_shm,
                            shm_tag=job_tag(world.secret), slot_bytes=config.slot_bytes,
                            spin_s=config.spin_seconds(world.local_size),
-                           express_lane_bytes=config.express_lane_bytes)
+                           express_lane_bytes=config.express_lane_bytes,
+                           arena_bytes=config.arena_bytes)
     setting = _env.get_str(_env.HIERARCHICAL_ALLREDUCE)
     return maybe_hierarchical(flat, world, None if setting is None else _env.is_true(setting),
                               config.use_shm, job_tag(world.secret))

@@ -210,7 +210,13 @@ def remove_segments(tag: str) -> int:
     return removed
 
 
-def _create_segment(size: int, tag: str) -> tuple[str, bytes, mmap.mmap]:
+def create_segment(size: int, tag: str) -> tuple[str, bytes, mmap.mmap]:
+    """Create and map a segment file of ``size`` bytes: (its path, the token written at
+    its start for the peers to check, the mapping). The caller unlinks the file.
+
+    Raises:
+        OSError: The pages cannot be reserved (a full /dev/shm) or the file made.
+    """
     token = os.urandom(_TOKEN_BYTES)
     path = os.path.join(_shm_dir(), f"hvd_spark_{tag}_{os.getpid()}_{token.hex()[:16]}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -232,7 +238,9 @@ def _create_segment(size: int, tag: str) -> tuple[str, bytes, mmap.mmap]:
     return path, token, mapping
 
 
-def _open_segment(path: str, token: bytes, size: int) -> mmap.mmap | None:
+def open_segment(path: str, token: bytes, size: int) -> mmap.mmap | None:
+    """Map a peer's segment, or None when this rank cannot see it (another host, another
+    /dev/shm) or it is not the one offered (size or token differ)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:
@@ -265,14 +273,14 @@ def negotiate_segments(sock: socket.socket, peer: int, size: int, tag: str = "jo
     path, token, out_map = "", b"", None
     if offer:
         try:
-            path, token, out_map = _create_segment(size, tag)
+            path, token, out_map = create_segment(size, tag)
         except OSError as exc:
             log.warning("cannot reserve %d bytes of shared memory for rank %d in %s (%s); "
                         "%s", size, peer, _shm_dir(), exc, instead)
     try:
         wire.send_obj(sock, ("shm-offer", path, token, size), what)
         _, peer_path, peer_token, peer_size = wire.recv_obj(sock, what)
-        in_map = _open_segment(peer_path, peer_token, peer_size) if peer_path else None
+        in_map = open_segment(peer_path, peer_token, peer_size) if peer_path else None
         wire.send_obj(sock, ("shm-mapped", in_map is not None), what)
         _, peer_mapped = wire.recv_obj(sock, what)
     except HvdSparkError:
