@@ -199,7 +199,8 @@ def test_mesh_drops_intruder_and_still_forms():
             s.close()
 
 
-def _form(hostnames: list[str], local_sockets: bool = True) -> dict:
+def form_meshes(hostnames: list[str], local_sockets: bool = True) -> dict:
+    """Form a mesh of one rank per hostname, one thread each: rank -> its Mesh."""
     server = StoreServer(SECRET)
     meshes: dict = {}
 
@@ -227,7 +228,7 @@ def test_local_ranks_connect_through_unix_sockets_remote_ones_over_tcp():
     """Ranks reporting one hostname share Unix sockets; another host's rank gets TCP."""
     import socket
 
-    meshes = _form(["a", "a", "b"])
+    meshes = form_meshes(["a", "a", "b"])
     assert meshes[0].data[1].family == socket.AF_UNIX
     assert meshes[0].control[1].family == socket.AF_UNIX
     assert meshes[1].control[0].family == socket.AF_UNIX
@@ -248,7 +249,7 @@ def test_without_local_sockets_every_connection_is_tcp():
     """Shared memory off (what crossing hosts measures): loopback TCP throughout."""
     import socket
 
-    meshes = _form(["a", "a"], local_sockets=False)
+    meshes = form_meshes(["a", "a"], local_sockets=False)
     assert _families(meshes[0]) == _families(meshes[1]) == {socket.AF_INET}
     for mesh in meshes.values():
         for sock in [*mesh.data.values(), *mesh.control.values()]:

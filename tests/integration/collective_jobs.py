@@ -48,6 +48,9 @@ def all_ops() -> dict:
     wait_until(lambda: hvd.poll(h), timeout=60, what="poll() of async.1")
     out["async"] = hvd.synchronize(h)
     hvd.barrier()
+    from hvd_spark.collectives import _plumbing
+
+    out["arena"] = getattr(_plumbing.current_engine().comm, "arena", None) is not None
     return out
 
 

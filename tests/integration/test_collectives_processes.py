@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from hvd_spark.collectives.tcp.express_lane import lane_supported
 from hvd_spark.collectives.tcp.store import StoreServer
 from hvd_spark.errors import ConfigError, WorkerFailedError
 from hvd_spark.runner import run_local
@@ -108,14 +109,18 @@ def test_ranks_holding_over_1024_files_still_connect_and_reduce(num_proc, env):
     (3, {"HVD_SPARK_DISABLE_SHM": "1"}),
     (4, {"HVD_SPARK_CHUNK_BYTES": "4096"}),
     (2, {"HVD_SPARK_EAGER_BYTES": "0"}),  # small tensors through the ring too
+    # Every allreduce through the host arena, in 4 KB pieces (the async one takes two).
+    (3, {"HVD_SPARK_EAGER_BYTES": "0", "HVD_SPARK_ARENA_BYTES": "4096"}),
 ])
 def test_every_operation(num_proc, env):
     results = run_local(jobs.all_ops, num_proc=num_proc, env=env)
     n = num_proc
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     ranks = range(n)
+    arena = n > 2 and "HVD_SPARK_DISABLE_SHM" not in env and lane_supported()
     for r, out in enumerate(results):
         assert out["rank"] == r and out["size"] == n and out["local"] == (r, n)
+        assert out["arena"] == arena
         np.testing.assert_allclose(out["sum"], sum(x + k for k in ranks))
         np.testing.assert_allclose(out["avg"], sum(x + k for k in ranks) / n, rtol=1e-6)
         np.testing.assert_allclose(out["min"], x)

@@ -4,7 +4,6 @@ a late rank is waited for with a deadline, and the sockets it watches are never 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -13,33 +12,20 @@ import pytest
 from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer
 from hvd_spark.collectives.tcp.arena import HostArena, negotiate_arena
-from hvd_spark.collectives.tcp.mesh import build_mesh
 from hvd_spark.collectives.tcp.shm import remove_segments
-from hvd_spark.collectives.tcp.store import StoreClient, StoreServer
 from hvd_spark.errors import CollectiveTimeoutError
+from tests.contract.test_tcp_contract import form_meshes
 from tests.threads import run_on_threads
 
-SECRET = b"arena-secret-0123456789abcdef-xyz"
 _TAG = "arenatest"
 
 
 def _meshes(size: int, timeout: float = 30) -> list:
-    server = StoreServer(SECRET)
-    meshes: list = [None] * size
-
-    def body(rank):
-        store = StoreClient(("127.0.0.1", server.port), SECRET)
-        meshes[rank] = build_mesh(rank, size, store, SECRET, "host", "", timeout=timeout)
-        store.close()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    server.close()
-    assert all(m is not None for m in meshes), "mesh formation failed"
-    return meshes
+    meshes = form_meshes(["host"] * size)
+    for mesh in meshes.values():
+        for sock in mesh.data.values():
+            sock.settimeout(timeout)  # the collective deadline the arena keeps
+    return [meshes[r] for r in range(size)]
 
 
 def _close(meshes: list, arenas: list | None = None) -> None:

@@ -42,7 +42,7 @@ from hvd_spark.collectives import ops
 from hvd_spark.collectives.buffers import SegmentedBuffer, even_counts, offsets
 from hvd_spark.collectives.communicator import may_poll
 from hvd_spark.collectives.tcp import readiness, wire
-from hvd_spark.collectives.tcp.shm import create_segment, open_segment
+from hvd_spark.collectives.tcp.shm import create_segment, open_segment, unlink_quietly, unmap
 from hvd_spark.errors import CollectiveTimeoutError, HvdSparkError, PeerDisconnectedError
 
 log = logging.getLogger(__name__)
@@ -193,11 +193,7 @@ class HostArena:
     def close(self) -> None:
         """Unmap every segment (views still alive in a failing frame: GC unmaps)."""
         self._areas, self._counts = [], []
-        for mapping in self._maps:
-            try:
-                mapping.close()
-            except BufferError:
-                pass
+        unmap(self._maps)
         self._maps = []
 
 
@@ -244,17 +240,11 @@ def negotiate_arena(rank: int, size: int, socks: dict[int, socket.socket], capac
             _, theirs = wire.recv_obj(socks[peer], f"rank {peer}")
             everyone = everyone and bool(theirs)
     except HvdSparkError:
-        for mapping in maps.values():
-            mapping.close()
+        unmap(maps.values())
         raise
     finally:
-        if path:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        unlink_quietly(path)
     if not everyone:
-        for mapping in maps.values():
-            mapping.close()
+        unmap(maps.values())
         return None
     return HostArena(rank, size, [maps[r] for r in range(size)], capacity, socks, spin_s)

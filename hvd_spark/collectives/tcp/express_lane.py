@@ -28,7 +28,7 @@ import socket
 import numpy as np
 
 from hvd_spark.collectives.messages import dtype_of
-from hvd_spark.collectives.tcp.shm import negotiate_segments
+from hvd_spark.collectives.tcp.shm import negotiate_segments, unmap
 from hvd_spark.errors import CollectiveError
 
 # Where the consumed count lives in a segment (after the token negotiate_segments
@@ -116,11 +116,7 @@ class ExpressLane:
     def close(self) -> None:
         """Unmap both segments (views still alive in a failing frame: GC unmaps)."""
         self._out = self._in = self._peer_consumed = self._consumed = None  # type: ignore[assignment]
-        for mapping in self._maps:
-            try:
-                mapping.close()
-            except BufferError:
-                pass
+        unmap(self._maps)
         self._maps = []
 
 

@@ -19,7 +19,7 @@ import mmap
 import os
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -182,13 +182,27 @@ class ShmLink(Link):
         # Each map holds a descriptor of its segment: unmap now, so a closed link holds
         # none. Views into a map may still be alive in a failing frame; then GC unmaps.
         self._out = self._in = None  # type: ignore[assignment]
-        for mapping in (self._out_map, self._in_map):
-            try:
-                if mapping is not None:  # None once closed
-                    mapping.close()
-            except BufferError:
-                pass
+        unmap([self._out_map, self._in_map])  # (None once closed)
         self._out_map = self._in_map = None  # type: ignore[assignment]
+
+
+def unmap(mappings: Iterable[mmap.mmap | None]) -> None:
+    """Close each mapping (None: skipped); one a view still holds, in a failing frame,
+    is left for GC to unmap."""
+    for mapping in mappings:
+        if mapping is None:
+            continue
+        try:
+            mapping.close()
+        except BufferError:
+            pass
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove a segment file once every rank mapped it (or gave up); gone already: fine."""
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def job_tag(secret: bytes) -> str:
@@ -284,20 +298,13 @@ def negotiate_segments(sock: socket.socket, peer: int, size: int, tag: str = "jo
         wire.send_obj(sock, ("shm-mapped", in_map is not None), what)
         _, peer_mapped = wire.recv_obj(sock, what)
     except HvdSparkError:
-        if out_map is not None:
-            out_map.close()
+        unmap([out_map])
         raise
     finally:
-        if path:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        unlink_quietly(path)
     if out_map is not None and in_map is not None and peer_mapped:
         return out_map, in_map
-    for mapping in (out_map, in_map):
-        if mapping is not None:
-            mapping.close()
+    unmap([out_map, in_map])
     return None
 
 
