@@ -97,6 +97,8 @@ def test_start_timeout_from_horovod(monkeypatch):
     ("HVD_SPARK_OUTPUT_POOL_BYTES", "-1", "HVD_SPARK_OUTPUT_POOL_BYTES"),
     ("HVD_SPARK_SPIN_US", "-1", "HVD_SPARK_SPIN_US"),
     ("HVD_SPARK_EXPRESS_LANE_BYTES", "-1", "HVD_SPARK_EXPRESS_LANE_BYTES"),
+    ("HVD_SPARK_ARENA_BYTES", "100", "HVD_SPARK_ARENA_BYTES must be at least 4096"),
+    ("HVD_SPARK_ARENA_BYTES", "-1", "HVD_SPARK_ARENA_BYTES"),
     ("HVD_SPARK_SPIN_US", "often", "HVD_SPARK_SPIN_US"),
     ("HOROVOD_GLOO_TIMEOUT_SECONDS", "0", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
     ("HOROVOD_FUSION_THRESHOLD", "-5", "HOROVOD_FUSION_THRESHOLD"),
@@ -222,3 +224,10 @@ def test_eager_limit_of_lone_allreduces_shrinks_with_the_job_unless_set(monkeypa
     monkeypatch.setenv("HVD_SPARK_EAGER_BYTES", "-1")
     with pytest.raises(ConfigError, match="HVD_SPARK_EAGER_BYTES must be >= 0"):
         EngineConfig.from_env()
+
+
+def test_the_host_arena_is_on_by_default_and_zero_turns_it_off(monkeypatch):
+    monkeypatch.delenv("HVD_SPARK_ARENA_BYTES", raising=False)
+    assert EngineConfig.from_env().arena_bytes == 1 << 20
+    monkeypatch.setenv("HVD_SPARK_ARENA_BYTES", "0")
+    assert EngineConfig.from_env().arena_bytes == 0
