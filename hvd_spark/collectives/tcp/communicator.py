@@ -1,4 +1,5 @@
-"""The default CPU backend: ring collectives over TCP, shared memory on one host."""
+"""The default CPU backend: ring collectives over TCP, shared memory on one host (and the
+host arena for allreduces of 3+ ranks there)."""
 
 from __future__ import annotations
 
