@@ -111,6 +111,9 @@ class EngineCore(abc.ABC):
         #: synchronous one up to ``lone_eager_bytes``; rank 0 takes either).
         self.eager_bytes = config.eager_limit(size)
         self.lone_eager_bytes = config.eager_limit(size, lone=True)
+        #: Broadcasts and allgathers up to this many bytes carry their tensors on their
+        #: requests, for an engine whose two ranks decide them alone (``pairing``).
+        self.paired_gather_bytes = 0
         self._lock = threading.Lock()  # guards the tables below (short holds only)
         # Held by whichever thread runs the engine's cycle: the background thread or a
         # waiting caller. Everything the cycle touches is used under it.
@@ -226,6 +229,19 @@ class EngineCore(abc.ABC):
         """Run a synchronous allreduce by a shorter path when the engine has one (see
         ``MpiEngine.express_allreduce``); None: submit it as usual, under ``name``."""
         del name, array, op, postscale, inplace
+        return None
+
+    def express_broadcast(self, name: str, array: np.ndarray, root: int,
+                          inplace: bool) -> np.ndarray | None:
+        """Run a synchronous broadcast by a shorter path when the engine has one (see
+        ``tcp.express_moves``); None: submit it as usual, under ``name``."""
+        del name, array, root, inplace
+        return None
+
+    def express_allgather(self, name: str, array: np.ndarray) -> np.ndarray | None:
+        """Run a synchronous allgather by a shorter path when the engine has one (see
+        ``tcp.express_moves``); None: submit it as usual, under ``name``."""
+        del name, array
         return None
 
     def _queues_locally(self) -> bool:

@@ -15,8 +15,9 @@ import numpy as np
 
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives.operations import Entry, Handle
+from hvd_spark.collectives.pairing import pair_payload
 from hvd_spark.collectives.process_sets import ProcessSet, global_process_set
-from hvd_spark.collectives.session import rank, require
+from hvd_spark.collectives.session import STATE, rank, require
 from hvd_spark.collectives.submit import (
     Build,
     Members,
@@ -31,6 +32,17 @@ from hvd_spark.collectives.submit import (
 from hvd_spark.errors import CollectiveArgumentError
 
 
+def _paired_payload(kind: str, work: np.ndarray, members: Members,
+                    root: int = -1) -> np.ndarray | None:
+    """What a broadcast or allgather's request carries when the engine lets two ranks
+    decide small ones alone (``pairing``); None otherwise."""
+    engine = STATE.engine
+    if (engine is None or members is not None or type(work) is not np.ndarray
+            or work.nbytes > engine.paired_gather_bytes):
+        return None
+    return pair_payload(kind, work, root, engine.rank)
+
+
 def _allgather_build(array: np.ndarray) -> Build:
     def build(key: str, members: Members) -> tuple:
         arr = as_array(array, f"allgather {key!r}")
@@ -38,7 +50,8 @@ def _allgather_build(array: np.ndarray) -> Build:
             arr = arr.reshape(1)
         work = np.ascontiguousarray(arr)
         request = m.Request(key, m.ALLGATHER, m.dtype_name(work.dtype), work.shape,
-                            members=members)
+                            members=members,
+                            payload=_paired_payload(m.ALLGATHER, work, members))
         return request, work, None
 
     return build
@@ -53,6 +66,13 @@ def allgather_async(array: np.ndarray, name: str | None = None,
 def allgather(array: np.ndarray, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenate every rank's array along dim 0."""
+    engine = STATE.engine
+    if engine is not None and process_set is global_process_set and type(array) is np.ndarray:
+        if name is None:
+            name = auto_name(m.ALLGATHER, name)
+        result = engine.express_allgather(name, array)
+        if result is not None:
+            return result
     return synchronize(allgather_async(array, name, process_set))
 
 
@@ -78,7 +98,8 @@ def _broadcast_build(array: np.ndarray, root_rank: int, process_set: ProcessSet,
         else:
             work = np.array(arr, order="C", copy=True)
         request = m.Request(key, m.BROADCAST, m.dtype_name(work.dtype), work.shape, root=root,
-                            members=members)
+                            members=members,
+                            payload=_paired_payload(m.BROADCAST, work, members, root))
         return request, work, (in_place_finish(arr) if inplace else None)
 
     return build
@@ -98,15 +119,35 @@ def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None,
     return start(m.BROADCAST, name, process_set, build)
 
 
+def _express_broadcast(array: np.ndarray, root_rank: int, name: str | None,
+                       process_set: ProcessSet,
+                       inplace: bool) -> tuple[np.ndarray | None, str | None]:
+    """Try the engine's express path for a synchronous broadcast (see
+    ``EngineCore.express_broadcast``): ``(result, name)``, or None with the name to
+    submit it under (an automatic name is taken here, once)."""
+    engine = STATE.engine
+    if engine is None or process_set is not global_process_set or type(array) is not np.ndarray:
+        return None, name
+    if name is None:
+        name = auto_name(m.BROADCAST, name)
+    return engine.express_broadcast(name, array, root_rank, inplace), name
+
+
 def broadcast(array: np.ndarray, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Return root's ``array`` on every rank (``root_rank`` is a global rank)."""
+    result, name = _express_broadcast(array, root_rank, name, process_set, inplace=False)
+    if result is not None:
+        return result
     return synchronize(broadcast_async(array, root_rank, name, process_set))
 
 
 def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Overwrite ``array`` with root's, in place."""
+    result, name = _express_broadcast(array, root_rank, name, process_set, inplace=True)
+    if result is not None:
+        return result
     return synchronize(broadcast_async_(array, root_rank, name, process_set))
 
 

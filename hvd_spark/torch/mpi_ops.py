@@ -174,7 +174,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     T.checked_tensor(tensor, "allgather", "allgather", name, process_set)
     if _wants_grad(tensor):
         return G.AllgatherFn.apply(tensor, name, process_set)
-    return T.allgather_async(tensor, name, process_set).wait()
+    return T.allgather(tensor, name, process_set)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -189,7 +189,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     T.checked_tensor(tensor, "broadcast", "broadcast", name, process_set)
     if _wants_grad(tensor):
         return G.BroadcastFn.apply(tensor, root_rank, name, process_set)
-    return T.broadcast_async(tensor, root_rank, name, process_set).wait()
+    return T.broadcast(tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -201,7 +201,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
         process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s, in place."""
-    return T.broadcast_async_(tensor, root_rank, name, process_set).wait()
+    return T.broadcast_(tensor, root_rank, name, process_set)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None,

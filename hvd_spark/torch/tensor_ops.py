@@ -326,6 +326,36 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None,
     return TorchHandle([handle], _single(lambda r: from_numpy(r, tensor.device)))
 
 
+def allgather(tensor: torch.Tensor, name: str | None,
+              process_set: C.ProcessSet = _GLOBAL) -> torch.Tensor:
+    """Allgather and wait, for a tensor the caller checked (``checked_tensor``): a CPU
+    tensor takes the numpy API's synchronous call, which two ranks may run on their
+    express path (see ``allreduce``)."""
+    if tensor.is_cuda:
+        return allgather_async(tensor, name, process_set).wait()
+    return from_numpy(C.allgather(as_numpy(tensor), name, process_set), tensor.device)
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None,
+              process_set: C.ProcessSet = _GLOBAL) -> torch.Tensor:
+    """Broadcast and wait, for a tensor the caller checked: a new tensor (a CPU one by
+    the numpy API's synchronous call, as ``allgather``)."""
+    if tensor.is_cuda:
+        return broadcast_async(tensor, root_rank, name, process_set).wait()
+    return from_numpy(C.broadcast(as_numpy(tensor), root_rank, name, process_set),
+                      tensor.device)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None,
+               process_set: C.ProcessSet = _GLOBAL) -> torch.Tensor:
+    """In-place broadcast and wait (as ``broadcast``); returns ``tensor``."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:  # (checked by the async call)
+        return broadcast_async_(tensor, root_rank, name, process_set).wait()
+    checked_tensor(tensor, "broadcast_", "broadcast", name, process_set)
+    C.broadcast_(as_numpy(tensor), root_rank, name, process_set)
+    return tensor
+
+
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None,
                      process_set: C.ProcessSet = _GLOBAL) -> TorchHandle:
     """Start an in-place broadcast into ``tensor``."""

@@ -6,10 +6,11 @@ for a name (and they agree), it sends the same ordered response list to all, and
 every rank runs it on the backend. So ranks may issue operations in any order,
 and a disagreement becomes an error on every rank instead of a hang.
 
-With two ranks, small allreduces skip rank 0's decision: each rank sends the other its
-request and both decide alone (``tcp.pairs``), a synchronous one on the caller's thread
-(``tcp.express``). The engine owns its parts: the control sockets (a ``ControlChannel``:
-holding, sending, waking, receiving, leaving) and, with two ranks, the ``Pairing``.
+With two ranks, small allreduces, broadcasts and allgathers skip rank 0's decision: each
+rank sends the other its request and both decide alone (``tcp.pairs``), a synchronous one
+on the caller's thread (``tcp.express``, ``tcp.express_moves``). The engine owns its
+parts: the control sockets (a ``ControlChannel``: holding, sending, waking, receiving,
+leaving) and, with two ranks, the ``Pairing``.
 
 The cycle runs on the background thread, or on a caller's thread while it waits
 (``EngineCore.wait``); the background thread parks meanwhile, so the two never
@@ -28,11 +29,11 @@ from hvd_spark.collectives.communicator import Communicator
 from hvd_spark.collectives.coordinator import Coordinator
 from hvd_spark.collectives.engine_core import PARK_S, EngineCore, timeline_row
 from hvd_spark.collectives.operations import Entry
-from hvd_spark.collectives.ops import ReduceOp, reduce_rows
-from hvd_spark.collectives.pairing import pairable
+from hvd_spark.collectives.pairing import pair_output, pairable
 from hvd_spark.collectives.tcp import readiness, wire
 from hvd_spark.collectives.tcp.control import ControlChannel
 from hvd_spark.collectives.tcp.express import ExpressMixin
+from hvd_spark.collectives.tcp.express_moves import ExpressMovesMixin
 from hvd_spark.collectives.tcp.pairs import Pairing
 from hvd_spark.config import EngineConfig
 from hvd_spark.errors import CollectiveError, HvdSparkError, PeerDisconnectedError
@@ -48,7 +49,7 @@ _GRACE_S = 200e-6
 _FRAMES_PER_CYCLE = 256
 
 
-class TcpEngine(ExpressMixin, EngineCore):
+class TcpEngine(ExpressMovesMixin, ExpressMixin, EngineCore):
     """Runs one rank's collectives: a background thread, or the waiting caller.
 
     Attributes:
@@ -85,6 +86,9 @@ class TcpEngine(ExpressMixin, EngineCore):
                         if size == 2 else None)
         self._coordinated_at = 0.0  # rank 0: when the cycle last coordinated
         self._init_express()
+        self._init_express_moves()
+        if self.pairing is not None:
+            self.paired_gather_bytes = self.eager_bytes
         # A caller waiting for its operation polls this long before sleeping in select
         # (init() resolves the setting against the ranks on this host).
         self._spin_s = config.spin_seconds(size)
@@ -116,17 +120,16 @@ class TcpEngine(ExpressMixin, EngineCore):
                 and timeline.current() is None and not self._stopping)
 
     def _finish_pair(self, name: str, first: m.Request, second: m.Request) -> None:
-        """Reduce an agreed pair straight into this rank's entry and complete it."""
+        """Run an agreed pair straight into this rank's entry and complete it."""
         with self._lock:
             entry = self._pending.pop(name, None)
         if entry is None:
             raise CollectiveError(f"rank {self.rank} paired {name!r}, which it never submitted")
         try:
             # Straight into this rank's output, which may be its own tensor's memory.
-            reduce_rows([first.payload, second.payload], ReduceOp(first.op), first.postscale,
-                        out=entry.array.reshape(-1))
+            output = pair_output(first, second, entry.array)
             entry.source = None
-            result = entry.finish(entry.array)
+            result = entry.finish(output)
         except BaseException as exc:
             self._complete(entry, error=CollectiveError(
                 f"collective {name!r} failed on rank {self.rank}: {exc!r}"))

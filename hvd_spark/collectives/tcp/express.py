@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -129,6 +129,18 @@ class ExpressMixin:
             plan = self._plan(array.dtype, op, postscale, name)
             if plan is None:
                 return None
+        return self._express_call(name, self._express_run, plan, array, inplace)
+
+    def _express_call(self, name: str, run, *args) -> Any:
+        """Run ``run(name, held, *args)`` as an express call of ``name``: with the
+        progress lock, the name claimed (``_express_claim``) and this thread counted as
+        a driver; ``run`` returns (result, None), or (None, the entry the usual path
+        goes on with), whose result this waits for.
+
+        Returns:
+            The result, or None when the call cannot go express now (the caller then
+            submits it as usual, under the same name).
+        """
         if not self._progress.acquire(timeout=_PROGRESS_WAIT_S):
             return None
         try:
@@ -136,7 +148,7 @@ class ExpressMixin:
             if not claimed:
                 return None
             try:
-                result, entry = self._express_run(name, plan, array, inplace, held)
+                result, entry = run(name, held, *args)
             finally:
                 with self._lock:
                     self._drivers -= 1
@@ -198,8 +210,8 @@ class ExpressMixin:
             pairing.warned.discard(name)  # as Pairing._decide does for a pair it runs
         return True, None if held is None else held[0]
 
-    def _express_run(self, name: str, plan: _Plan, array: np.ndarray, inplace: bool,
-                     held: m.Request | None) -> tuple[np.ndarray | None, Entry | None]:
+    def _express_run(self, name: str, held: m.Request | None, plan: _Plan, array: np.ndarray,
+                     inplace: bool) -> tuple[np.ndarray | None, Entry | None]:
         """Send this rank's request, take the other rank's and reduce: (result, None);
         or, when the usual path must go on, (None, the entry it waits for)."""
         try:
@@ -315,11 +327,17 @@ class ExpressMixin:
         """Take up the usual path's state for this call: its entry pending and its
         request recorded as paired (as at submission), the other rank's request or the
         message read meanwhile handled as a cycle would; the usual wait goes on."""
-        self.express_fallbacks += 1
         request = self._own_request(own, array)
         # Out of place, the backend reads the caller's input (a joined rank's round runs
         # the allreduce there, not from the payloads).
         entry = Entry(request, Handle(name), out, source=None if out is array else array)
+        return self._express_handover(entry, peer_request, message)
+
+    def _express_handover(self, entry: Entry, peer_request: m.Request | None,
+                          message: tuple | None) -> Entry:
+        """``_express_fallback`` once the call's ``entry`` is made (any paired kind)."""
+        self.express_fallbacks += 1
+        name, request = entry.request.name, entry.request
         now = time.monotonic()
         with self._lock:
             self._pending[name] = entry
