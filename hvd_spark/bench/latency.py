@@ -1,12 +1,14 @@
-"""Small-message allreduce latency: the MPI backend vs the TCP/shared-memory backend.
+"""Small-message latency: the MPI backend vs the TCP/shared-memory backend.
 
 ``python -m hvd_spark.bench latency [-np 2] [--sizes 1K,4K,64K] [--rounds 3]
+[--op allreduce|broadcast|allgather]
 [--frameworks out_of_place,torch,tf,tf_function,tf_floor,tf_py_floor]`` alternates,
 round by round, a job under ``hvdrun`` (TCP backend, shared memory between local ranks)
-and one under ``hvdrun --mpi``; inside the MPI job, raw ``MPI_Allreduce`` (mpi4py) is
-timed in the same processes, alternating with ours, as the floor. Each figure is the
-median over rounds of the slowest rank's mean time per synchronous, end-to-end
-``allreduce`` call (submission, negotiation, reduction, result).
+and one under ``hvdrun --mpi``; inside the MPI job, raw ``MPI_Allreduce`` (or
+``MPI_Bcast``, ``MPI_Allgather``: mpi4py) is timed in the same processes, alternating
+with ours, as the floor. Each figure is the median over rounds of the slowest rank's
+mean time per synchronous, end-to-end call (submission, negotiation, the collective,
+result). ``--frameworks`` times allreduce only.
 """
 
 from __future__ import annotations
@@ -72,8 +74,31 @@ def _framework_call(framework: str, count: int):
     return lambda: graph(t)
 
 
-def worker(sizes: list[int], iters: int, frameworks: list[str]) -> None:
-    """Run inside each rank: time hvd_spark's allreduce (and raw MPI's, under MPI)."""
+_OPS = ("allreduce", "broadcast", "allgather")
+
+
+def _op_calls(op: str, x: np.ndarray, raw) -> tuple:
+    """(ours, raw MPI's or None): one synchronous ``op`` of ``x`` each, in place where
+    the op has an in-place form (allgather makes a new array on both)."""
+    import hvd_spark.collectives as hvd
+
+    if op == "broadcast":
+        return (lambda: hvd.broadcast_(x, 0, name="bcast"),
+                (lambda: raw.Bcast(x, root=0)) if raw else None)
+    if op == "allgather":
+        gathered = np.empty(x.size * hvd.size(), x.dtype)
+        return (lambda: hvd.allgather(x, name="gather"),
+                (lambda: raw.Allgather(x, gathered)) if raw else None)
+    ours = lambda: hvd.allreduce_(x, op=hvd.Sum)  # noqa: E731
+    if raw is None:
+        return ours, None
+    from mpi4py import MPI  # (imported only where raw is an MPI communicator)
+
+    return ours, lambda: raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+
+
+def worker(sizes: list[int], iters: int, frameworks: list[str], op: str = "allreduce") -> None:
+    """Run inside each rank: time hvd_spark's ``op`` (and raw MPI's, under MPI)."""
     import hvd_spark.collectives as hvd
     from hvd_spark.collectives import ops
 
@@ -87,9 +112,8 @@ def worker(sizes: list[int], iters: int, frameworks: list[str]) -> None:
     rows = []
     for nbytes in sizes:
         x = np.ones(max(1, nbytes // 4), np.float32)
-        ours = lambda x=x: hvd.allreduce_(x, op=ops.Sum)  # noqa: E731
+        ours, floor = _op_calls(op, x, raw)
         bindings = {f: _framework_call(f, x.size) for f in frameworks}
-        floor = (lambda x=x: raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM)) if raw else None  # noqa: E731
         ours_t, floor_t = [], []
         for _ in range(3):  # alternate, so a noisy moment hits both alike
             for fn, out in ((ours, ours_t), (floor, floor_t)):
@@ -109,7 +133,7 @@ def worker(sizes: list[int], iters: int, frameworks: list[str]) -> None:
             row[framework] = float(hvd.allreduce(np.array([seconds]), op=ops.Max)[0])
         rows.append(row)
     if hvd.rank() == 0:
-        print(_MARK + json.dumps({"backend": backend, "rows": rows}), flush=True)
+        print(_MARK + json.dumps({"backend": backend, "op": op, "rows": rows}), flush=True)
     hvd.shutdown()
 
 
@@ -132,7 +156,9 @@ def format_table(num_proc: int, runs: dict[str, list[dict]]) -> str:
         return statistics.median(values) * 1e6 if values else float("nan")
 
     frameworks = [k for k in runs["tcp"][0]["rows"][0] if k in _FRAMEWORKS]
-    lines = [f"allreduce latency, {num_proc} ranks, float32 Sum, us per call (median of "
+    op = runs["tcp"][0].get("op", "allreduce")
+    what = "float32 Sum" if op == "allreduce" else "float32, per rank"
+    lines = [f"{op} latency, {num_proc} ranks, {what}, us per call (median of "
              f"{len(runs['tcp'])} rounds; frameworks on tcp+shm)",
              f"{'size':>8} {'tcp+shm':>9} {'mpi':>9} {'raw MPI':>9} {'mpi/tcp':>8}"
              + "".join(f" {f:>8}" for f in frameworks)]
@@ -150,8 +176,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sizes", default="1K,4K,64K", help="message sizes (default 1K,4K,64K)")
     p.add_argument("--iters", type=int, default=500, help="calls timed per sample")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of both jobs")
+    p.add_argument("--op", default="allreduce", choices=_OPS,
+                   help="the collective timed (default allreduce)")
     p.add_argument("--frameworks", default="",
-                   help=f"also time these bindings on tcp+shm: {','.join(_FRAMEWORKS)}")
+                   help=f"also time these bindings' allreduce on tcp+shm: "
+                        f"{','.join(_FRAMEWORKS)}")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend-worker", default="tcp", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -160,11 +189,13 @@ def main(argv: list[str]) -> int:
     unknown = sorted(set(frameworks) - set(_FRAMEWORKS))
     if unknown:
         p.error(f"--frameworks: unknown {unknown}; choose from {','.join(_FRAMEWORKS)}")
+    if frameworks and args.op != "allreduce":
+        p.error("--frameworks times allreduce: leave out --op, or --frameworks")
     if args.worker:
-        worker(sizes, args.iters, frameworks if args.backend_worker == "tcp" else [])
+        worker(sizes, args.iters, frameworks if args.backend_worker == "tcp" else [], args.op)
         return 0
     worker_argv = ["--sizes", args.sizes, "--iters", str(args.iters),
-                   "--frameworks", ",".join(frameworks)]
+                   "--frameworks", ",".join(frameworks), "--op", args.op]
     runs: dict[str, list[dict]] = {"tcp": [], "mpi": []}
     for _ in range(args.rounds):
         runs["tcp"].append(_job(False, args.np, worker_argv))

@@ -94,8 +94,10 @@ class Request:
         layout: A grouped allreduce's packed request: every tensor of the group, as
             ``packing.layout_of`` writes it; the ranks must agree (None otherwise).
         payload: A small CPU allreduce's input, flat, sent along with the request so
-            rank 0 can reduce it during negotiation (``EngineConfig.eager_bytes``);
-            None otherwise. Not part of what ranks must agree on.
+            rank 0 can reduce it during negotiation (``EngineConfig.eager_bytes``); with
+            two ranks that decide alone, also a small broadcast's or allgather's tensor
+            (``pairing.pair_payload``); None otherwise. Not part of what ranks must
+            agree on.
         lane: On the wire instead of ``payload``: the payload's sequence number on the
             express lane (see ``tcp.express_lane``); None otherwise.
     """

@@ -147,3 +147,17 @@ def test_synchronous_small_allreduces_take_the_express_round(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK express") == 3, proc.stdout + proc.stderr
     assert '"case.0"' in trace.read_text() or "case.0" in trace.read_text()
+
+
+@pytest.mark.parametrize("op", ["broadcast", "allgather"])
+def test_the_latency_bench_times_small_moves_against_raw_mpi(op):
+    """``bench latency --op``: one round of each backend, both with figures, raw MPI's
+    floor timed in the MPI job."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hvd_spark.bench", "latency", "--op", op, "--sizes", "1K",
+         "--rounds", "1", "--iters", "30"],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-3].startswith(f"{op} latency, 2 ranks"), proc.stdout
+    size, *figures = proc.stdout.splitlines()[-1].split()
+    assert size == "1024" and all(float(f) > 0 for f in figures), proc.stdout
