@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--estimators", action="store_true",
                         help="also time TorchEstimator fits with and without a Store")
     args = parser.parse_args(argv)
-    spark = _session("local[2]")
+    # The cached DataFrame (1M x 100 doubles: 800 MB) spills past a 1g heap, and caching
+    # it there ran out of memory in some runs.
+    spark = _session("local[2]", driver_memory="4g")
     from pyspark.ml.functions import array_to_vector
     from pyspark.sql import functions as F
 

@@ -23,7 +23,9 @@ TARGET_RATIO = 5.0
 TARGET_RING_S = 1.5
 
 
-def _session(master: str):
+def _session(master: str, driver_memory: str | None = None):
+    """A local Spark session for a benchmark (``driver_memory``: the driver JVM's heap,
+    which a local master's executor shares; Spark's default is 1g)."""
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -33,7 +35,10 @@ def _session(master: str):
         if active.sparkContext.master == master:
             return active
         active.stop()
-    return (SparkSession.builder.master(master).appName("hvd_spark-bench")
+    builder = SparkSession.builder
+    if driver_memory is not None:
+        builder = builder.config("spark.driver.memory", driver_memory)
+    return (builder.master(master).appName("hvd_spark-bench")
             .config("spark.ui.enabled", "false")
             .config("spark.ui.showConsoleProgress", "false")
             .config("spark.python.worker.reuse", "true")

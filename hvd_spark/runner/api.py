@@ -104,7 +104,7 @@ def run(
         on_output: Also receives every output line of the ranks as ``(rank, "stdout" or
             "stderr", line)``; the Estimators keep them as per-rank files in the Store.
         df: A DataFrame to train on, straight from Spark: the barrier tasks read its rows
-            (repartitioned round-robin, one partition per rank) and each writes its share
+            (dealt round-robin, one partition per rank) and each writes its share
             to its executor's local disk, where ``fn`` reads it
             (``hvd_spark.torch.dataframe_loader``, ``hvd_spark.tensorflow.dataframe_dataset``,
             or ``hvd_spark.data.RankShare.current()``). No Store, no shared filesystem;

@@ -162,6 +162,26 @@ def test_uneven_and_bad_input(spark) -> None:
         hvd_spark.run(steps, args=(1,), num_proc=2, df=strings)
 
 
+def test_rows_are_dealt_in_turn_into_one_partition_per_rank(spark) -> None:
+    """``deal_round_robin`` (no sort first): row ``i`` of a one-partition frame lands in
+    partition ``i mod n``, and five partitions of 200 rows deal into sizes that differ
+    by at most the number of input partitions (each starts one turn further), every row
+    once."""
+    from hvd_spark.data.shares import deal_round_robin
+
+    one = spark.range(10, numPartitions=1)
+    dealt = deal_round_robin(one, 3).rdd.mapPartitions(
+        lambda rows: [[row["id"] for row in rows]]).collect()
+    assert dealt == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    for n in (2, 3, 4, 7):
+        frame = deal_round_robin(spark.range(1000, numPartitions=5), n)
+        assert frame.columns == ["id"]
+        parts = frame.rdd.mapPartitions(lambda rows: [[row["id"] for row in rows]]).collect()
+        sizes = [len(p) for p in parts]
+        assert len(sizes) == n and max(sizes) - min(sizes) <= min(5, n - 1), (n, sizes)
+        assert sorted(i for p in parts for i in p) == list(range(1000))
+
+
 def test_a_killed_rank_leaves_no_share_behind(spark) -> None:
     def die() -> None:
         import os
