@@ -166,3 +166,30 @@ def torch_moves(count: int) -> dict:
         return {"results": out, "express": engine.express_rounds - before}
     finally:
         ht.shutdown()
+
+
+def sizes_across_the_eager_limit(rounds: int) -> dict:
+    """Allgathers where one rank's tensor is above the eager size (it carries none, so
+    the pair goes through rank 0) and broadcasts of 160 KB (inline on the express path,
+    none on the usual path), each rank synchronous or not by turns: every result, and
+    the express counters."""
+    from hvd_spark.collectives import _plumbing
+
+    hvd.init()
+    try:
+        r = hvd.rank()
+        results = []
+        for i in range(rounds):
+            rows = 12_000 if r == i % 2 else 10  # 96 KB against 80 bytes
+            mine = np.full((rows, 2), r, np.float32)
+            sync = (i + r) % 3 != 0
+            gathered = (hvd.allgather(mine, name="big") if sync
+                        else hvd.synchronize(hvd.allgather_async(mine, name="big")))
+            wide = np.full(40_000, r, np.float32)
+            sent = (hvd.broadcast(wide, 1, name="wide") if sync
+                    else hvd.synchronize(hvd.broadcast_async(wide, 1, name="wide")))
+            results.append((gathered, sent))
+        engine = _plumbing.current_engine()
+        return {"results": results, "express": engine.express_rounds}
+    finally:
+        hvd.shutdown()

@@ -76,3 +76,17 @@ def test_torch_synchronous_broadcast_and_allgather_take_the_express_path():
     for r, out in enumerate(outs):
         # broadcast, broadcast_ (contiguous) and allgather: three of four calls a step.
         assert out["express"] >= 2 * count, f"rank {r}: {out['express']}"
+
+
+def test_tensors_across_the_eager_limit_go_through_rank_0_and_still_agree():
+    rounds = 6
+    outs = run_local(jobs.sizes_across_the_eager_limit, args=(rounds,), num_proc=2, env=ENV)
+    for i in range(rounds):
+        rows = [12_000 if r == i % 2 else 10 for r in (0, 1)]
+        want = np.concatenate([np.full((rows[r], 2), r, np.float32) for r in (0, 1)])
+        for r, out in enumerate(outs):
+            gathered, sent = out["results"][i]
+            np.testing.assert_array_equal(gathered, want, err_msg=f"rank {r} round {i}")
+            assert sent.dtype == np.float32 and (sent == 1).all(), (r, i)
+    for out in outs:
+        assert out["express"] > 0  # the agreeing synchronous broadcasts ran express
