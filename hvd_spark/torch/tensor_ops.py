@@ -333,7 +333,7 @@ def allgather(tensor: torch.Tensor, name: str | None,
     express path (see ``allreduce``)."""
     if tensor.is_cuda:
         return allgather_async(tensor, name, process_set).wait()
-    return from_numpy(C.allgather(as_numpy(tensor), name, process_set), tensor.device)
+    return from_numpy(C.allgather(as_numpy(_cpu(tensor)), name, process_set), tensor.device)
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None,
@@ -342,7 +342,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None,
     the numpy API's synchronous call, as ``allgather``)."""
     if tensor.is_cuda:
         return broadcast_async(tensor, root_rank, name, process_set).wait()
-    return from_numpy(C.broadcast(as_numpy(tensor), root_rank, name, process_set),
+    return from_numpy(C.broadcast(as_numpy(_cpu(tensor)), root_rank, name, process_set),
                       tensor.device)
 
 
@@ -352,7 +352,11 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None,
     if isinstance(tensor, torch.Tensor) and tensor.is_cuda:  # (checked by the async call)
         return broadcast_async_(tensor, root_rank, name, process_set).wait()
     checked_tensor(tensor, "broadcast_", "broadcast", name, process_set)
-    C.broadcast_(as_numpy(tensor), root_rank, name, process_set)
+    cpu = _cpu(tensor)
+    C.broadcast_(as_numpy(cpu), root_rank, name, process_set)
+    if cpu is not tensor:  # (as allreduce_)
+        with torch.no_grad():
+            tensor.copy_(cpu)
     return tensor
 
 

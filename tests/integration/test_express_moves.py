@@ -34,18 +34,22 @@ def _check(outs: list[dict], seed: int, threads: int, count: int) -> None:
 
 
 @pytest.mark.parametrize("seed,threads,slow_rank,delay_s", [
-    (1, 1, None, 0.0), (2, 3, None, 0.0), (3, 1, 1, 1.5 * DRIVE_SLICE_S), (4, 2, 0, 0.01),
-], ids=["one thread", "three threads", "rank 1 late", "rank 0 a little late"])
+    (1, 1, None, 0.0), (2, 3, None, 0.0), (3, 1, 1, 1.5 * DRIVE_SLICE_S), (4, 1, 0, 0.01),
+    (5, 2, 0, 0.01),
+], ids=["one thread", "three threads", "rank 1 late", "rank 0 a little late",
+        "two threads, rank 0 a little late"])
 def test_small_moves_pair_exactly_on_every_mix_of_paths(seed, threads, slow_rank, delay_s):
     count = 40 if slow_rank is None else 12
     outs = run_local(jobs.move_rounds, args=(seed, threads, count, slow_rank, delay_s),
                      num_proc=2, env=ENV)
     _check(outs, seed, threads, count)
     for r, out in enumerate(outs):
-        # Most calls are decided by the two ranks alone, and some of them express (but
-        # on a rank that always waits longer than a slice: it hands each call over).
+        # Most calls are decided by the two ranks alone. With one thread some of them
+        # run express (but not on a rank that always waits longer than a slice: it
+        # hands each call over); with several, a call that finds another thread's in
+        # flight takes the usual path by design, which a late rank makes the rule.
         assert out["paired"] >= threads * count // 2, f"rank {r}: {out['paired']}"
-        if slow_rank != 1 or r == 1:
+        if threads == 1 and (slow_rank != 1 or r == 1):
             assert out["express"] > 0, f"rank {r}: no express call"
     if slow_rank == 1:
         assert outs[0]["fallbacks"] > 0, "rank 0 never handed a late call over"

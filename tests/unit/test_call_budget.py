@@ -4,8 +4,8 @@ A 1 KB call's time is almost all Python's own work, which moves with the CPU, so
 guarded by a count that does not: the Python-level calls (``sys.setprofile`` 'call'
 events) one call runs, median of many, on each rank. The budgets sit a little above
 what the code does today on the express path (allreduce: 19 on rank 0 and 16 on rank
-1, 21 unnamed; broadcast 21 and 19, allgather 20 and 17; through ``hvd_spark.torch``:
-allreduce 28 and 25, broadcast 28 and 26, allgather 27 and 24); a change that adds
+1, 21 unnamed; broadcast 22 and 20, allgather 21 and 18; through ``hvd_spark.torch``:
+allreduce 28 and 25, broadcast 30 and 28, allgather 29 and 26); a change that adds
 work to the path shows up here, on any machine, instead of as noise in a benchmark.
 """
 

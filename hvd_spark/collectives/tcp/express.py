@@ -267,12 +267,17 @@ class ExpressMixin:
                 self._names_in_flight.discard(name)
             return out, None
         except BaseException as exc:  # noqa: BLE001 - as a waiting caller's _drive
-            # (An entry the fallback made pending is failed with every other one.)
-            self._fail(exc)
-            self._failed_while_driving()
-            with self._lock:
-                self._names_in_flight.discard(name)
-            raise self._error_for(name) from exc
+            raise self._express_failed(name, exc) from exc
+
+    def _express_failed(self, name: str, exc: BaseException) -> BaseException:
+        """Fail the engine with ``exc``, raised in an express call of ``name`` (as a
+        waiting caller's ``_drive`` does; an entry the fallback made pending is failed
+        with every other one), free the name, and return the error to raise."""
+        self._fail(exc)
+        self._failed_while_driving()
+        with self._lock:
+            self._names_in_flight.discard(name)
+        return self._error_for(name)
 
     def _express_done(self, name: str) -> None:
         """Count an express call that ran alone and free its name."""

@@ -21,7 +21,12 @@ import numpy as np
 from hvd_spark.collectives import messages as m
 from hvd_spark.collectives.coordinator import request_problem
 from hvd_spark.collectives.operations import Entry, Handle
-from hvd_spark.collectives.pairing import disagreement, moved_output, pair_output
+from hvd_spark.collectives.pairing import (
+    disagreement,
+    moved_output,
+    pair_output,
+    pair_payload,
+)
 from hvd_spark.collectives.tcp import wire
 from hvd_spark.errors import HvdSparkError
 
@@ -52,7 +57,8 @@ class ExpressMovesMixin:
                 or (inplace and not array.flags.writeable)
                 or array.nbytes > self.lone_eager_bytes or root not in (0, 1)):
             return None
-        fields = self._move_fields(m.BROADCAST, array.dtype, root)
+        fields = (self._move_plans.get((m.BROADCAST, array.dtype, root))
+                  or self._move_fields(m.BROADCAST, array.dtype, root))
         if fields is None:
             return None
         return self._express_call(name, self._express_move, fields, array, root, inplace)
@@ -67,7 +73,8 @@ class ExpressMovesMixin:
         if (self.pairing is None or not array.flags.c_contiguous
                 or array.nbytes > self.lone_eager_bytes):
             return None
-        fields = self._move_fields(m.ALLGATHER, array.dtype, -1)
+        fields = (self._move_plans.get((m.ALLGATHER, array.dtype, -1))
+                  or self._move_fields(m.ALLGATHER, array.dtype, -1))
         if fields is None:
             return None
         if array.ndim == 0:
@@ -77,12 +84,9 @@ class ExpressMovesMixin:
     def _move_fields(self, kind: str, dtype: np.dtype, root: int) -> tuple | None:
         """A request's fields for ``kind``, ``dtype`` and ``root``, split around the
         shape: (before, after), kept for the next call; None when the usual path must
-        decide (a dtype it refuses, which it then reports in its own words)."""
+        decide (a dtype it refuses, which it then reports in its own words). Callers
+        look in ``_move_plans`` first (one Python call less a call)."""
         plans = self._move_plans
-        key = (kind, dtype, root)
-        fields = plans.get(key)
-        if fields is not None:
-            return fields
         try:
             dtype_name = m.dtype_name(dtype)
             if request_problem(kind, dtype_name, 1, 1.0, 1.0, root, 2) is not None:
@@ -92,7 +96,7 @@ class ExpressMovesMixin:
         every = m.Request("", kind, dtype_name, (), root=root).fields()
         fields = (every[1:_SHAPE], every[_SHAPE + 1:_AGREED])
         if len(plans) < _PLANS_KEPT:
-            plans[key] = fields
+            plans[(kind, dtype, root)] = fields
         return fields
 
     def _express_move(self, name: str, held: m.Request | None, fields: tuple,
@@ -107,8 +111,7 @@ class ExpressMovesMixin:
         """
         try:
             kind = fields[0][0]
-            flat = array.reshape(-1)
-            mine = flat[:0] if kind == m.BROADCAST and root != self.rank else flat
+            mine = pair_payload(kind, array, root, self.rank)
             shape = array.shape
             own = (name, *fields[0], shape, *fields[1],
                    mine.tobytes() if mine.nbytes < m.OUT_OF_BAND_MIN_BYTES
@@ -135,13 +138,7 @@ class ExpressMovesMixin:
                     shapes = (shape, theirs[_SHAPE]) if self.rank == 0 else (theirs[_SHAPE],
                                                                              shape)
                     out = moved_output(kind, root, first, second, *shapes, target)
-                    self.express_rounds += 1  # (_express_done's lines, run on every call)
-                    self.pairing.paired += 1
-                    self.executed_responses += 1
-                    self.executed_tensors += 1
-                    self.executed_eager += 1
-                    with self._lock:
-                        self._names_in_flight.discard(name)
+                    self._express_done(name)
                     return out, None
             request = m.Request(*own[:_AGREED], mine)
             if held is not None:  # a cycle read the other rank's request already
@@ -155,8 +152,4 @@ class ExpressMovesMixin:
             entry = Entry(request, Handle(name), target)
             return None, self._express_handover(entry, held, message)
         except BaseException as exc:  # noqa: BLE001 - as in ExpressMixin._express_run
-            self._fail(exc)
-            self._failed_while_driving()
-            with self._lock:
-                self._names_in_flight.discard(name)
-            raise self._error_for(name) from exc
+            raise self._express_failed(name, exc) from exc
